@@ -1,0 +1,205 @@
+"""Byte-level BPE, exactly as Part 1 of the series defines it.
+
+Ids 0-255 are raw bytes; the merge at index i of the merge list gets id 256 + i.
+Text is split into chunks with a GPT-2 style pattern and merges never cross a
+chunk boundary. The file format is Part 1's: {"merges": [[a, b], ...]}, so a
+tokenizer.json written by Part 1 loads and encodes here unchanged.
+
+    python bpe.py CORPUS [--vocab 4096] [--out tokenizer.json]
+
+trains a tokenizer on a text file, checks the round trip and writes the file.
+"""
+import argparse
+import heapq
+import json
+import sys
+import time
+from collections import Counter
+
+import regex
+
+SPLIT_PATTERN = regex.compile(
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+
+
+def utf8_bytes(text):
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"text cannot be UTF-8 encoded ({e.reason} at index {e.start}); "
+            "remove lone surrogates before tokenizing"
+        ) from None
+
+
+def pairs_of(ids):
+    return zip(ids, ids[1:])
+
+
+def merge_pair(ids, pair, new_id):
+    """Replace every occurrence of pair in ids, left to right."""
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and ids[i] == pair[0] and ids[i + 1] == pair[1]:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+class BPE:
+    def __init__(self, merges):
+        self.merges = [tuple(m) for m in merges]
+        self.rank = {pair: 256 + i for i, pair in enumerate(self.merges)}
+        self.vocab = [bytes([b]) for b in range(256)]
+        for a, b in self.merges:
+            self.vocab.append(self.vocab[a] + self.vocab[b])
+        self._chunk_cache = {}
+
+    @property
+    def vocab_size(self):
+        return len(self.vocab)
+
+    @classmethod
+    def load(cls, path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"tokenizer file {path} not found; pass the path of a Part 1 tokenizer.json") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
+        if not isinstance(data, dict) or set(data) != {"merges"} or not isinstance(data["merges"], list):
+            raise ValueError(f"{path} must hold exactly {{\"merges\": [[a, b], ...]}}")
+        for i, m in enumerate(data["merges"]):
+            ok = isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m)
+            if not ok:
+                raise ValueError(f"{path}: merge {i} is {m!r}, expected a pair of integer ids")
+            if not all(0 <= x < 256 + i for x in m):
+                raise ValueError(
+                    f"{path}: merge {i} {m} names an id not yet defined (ids so far are 0..{255 + i})"
+                )
+        return cls(data["merges"])
+
+    def save(self, path):
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"merges": [list(m) for m in self.merges]}, f)
+
+    def _encode_chunk(self, chunk):
+        ids = self._chunk_cache.get(chunk)
+        if ids is None:
+            ids = list(utf8_bytes(chunk))
+            while len(ids) > 1:
+                pair = min(pairs_of(ids), key=lambda p: self.rank.get(p, float("inf")))
+                if pair not in self.rank:
+                    break
+                ids = merge_pair(ids, pair, self.rank[pair])
+            self._chunk_cache[chunk] = ids
+        return ids
+
+    def encode(self, text):
+        utf8_bytes(text)
+        out = []
+        for chunk in SPLIT_PATTERN.findall(text):
+            out.extend(self._encode_chunk(chunk))
+        return out
+
+    def decode(self, ids):
+        try:
+            raw = b"".join(self.vocab[i] for i in ids)
+        except (IndexError, TypeError):
+            bad = next(i for i in ids if not (type(i) is int and 0 <= i < self.vocab_size))
+            raise ValueError(f"token id {bad!r} is outside the vocabulary (0..{self.vocab_size - 1})") from None
+        return raw.decode("utf-8", errors="replace")
+
+    @classmethod
+    def train(cls, text, vocab_size, progress=False):
+        """Learn vocab_size - 256 merges, updating pair counts incrementally.
+
+        Each merge touches only the chunks that contain the merged pair; a
+        max-heap with lazy deletion finds the most frequent pair, ties going
+        to the smallest pair so training is deterministic.
+        """
+        if vocab_size < 256:
+            raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
+        chunk_counts = Counter(SPLIT_PATTERN.findall(text))
+        chunks = [list(utf8_bytes(c)) for c in chunk_counts]
+        weights = list(chunk_counts.values())
+        counts = Counter()
+        where = {}
+        for ci, (ids, w) in enumerate(zip(chunks, weights)):
+            for p in pairs_of(ids):
+                counts[p] += w
+                where.setdefault(p, set()).add(ci)
+        heap = [(-c, p) for p, c in counts.items()]
+        heapq.heapify(heap)
+
+        merges, start = [], time.time()
+        n_merges = vocab_size - 256
+        while len(merges) < n_merges and heap:
+            neg, pair = heapq.heappop(heap)
+            if counts.get(pair, 0) != -neg or neg == 0:
+                continue
+            new_id = 256 + len(merges)
+            merges.append(pair)
+            touched = set()
+            for ci in where.pop(pair):
+                old, w = chunks[ci], weights[ci]
+                new = merge_pair(old, pair, new_id)
+                for p in pairs_of(old):
+                    counts[p] -= w
+                    touched.add(p)
+                for p in pairs_of(new):
+                    counts[p] += w
+                    touched.add(p)
+                    where.setdefault(p, set()).add(ci)
+                chunks[ci] = new
+            for p in touched:
+                if counts[p] > 0:
+                    heapq.heappush(heap, (-counts[p], p))
+                else:
+                    counts.pop(p)
+            if progress and (len(merges) % 64 == 0 or len(merges) == n_merges):
+                done = len(merges) / n_merges
+                eta = (time.time() - start) * (1 - done) / done
+                print(f"\rmerge {len(merges):,}/{n_merges:,}  ETA {eta:4.0f}s", end="", file=sys.stderr)
+        if progress:
+            print(file=sys.stderr)
+        return cls(merges)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on a text file.")
+    ap.add_argument("corpus", help="UTF-8 text file to train on")
+    ap.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
+    ap.add_argument("--out", default="tokenizer.json", help="where to write the merges")
+    args = ap.parse_args()
+    try:
+        with open(args.corpus, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"corpus {args.corpus} not found") from None
+
+    t0 = time.time()
+    bpe = BPE.train(text, args.vocab, progress=True)
+    t_train = time.time() - t0
+    t0 = time.time()
+    ids = bpe.encode(text)
+    t_encode = time.time() - t0
+    if bpe.decode(ids) != text:
+        raise ValueError("round trip failed: decode(encode(corpus)) differs from the corpus")
+    bpe.save(args.out)
+    n_bytes = len(text.encode("utf-8"))
+    print(f"trained {bpe.vocab_size:,} tokens in {t_train:.1f}s; wrote {args.out}")
+    print(f"encoded {n_bytes:,} bytes into {len(ids):,} tokens in {t_encode:.1f}s "
+          f"({n_bytes / len(ids):.2f} bytes/token); round trip exact")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:
+        sys.exit(f"bpe.py: error: {e}")

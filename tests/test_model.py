@@ -1,0 +1,173 @@
+"""model.py is Part 3's GPT: its keys, its numbers, its checkpoints, its errors."""
+import math
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, Config, device_from, load_checkpoint
+
+PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}
+
+
+def part3_state_dict(cfg, seed=0):
+    """Random weights under Part 3's key names, built without model.py."""
+    g = torch.Generator().manual_seed(seed)
+    d, V = cfg["d_model"], cfg["vocab_size"]
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    sd = {"emb.weight": w(V, d)}
+    for i in range(cfg["n_layers"]):
+        p = f"blocks.{i}."
+        sd.update({
+            p + "norm1.weight": 1 + w(d), p + "norm1.bias": w(d),
+            p + "attn.qkv.weight": w(3 * d, d), p + "attn.out.weight": w(d, d),
+            p + "norm2.weight": 1 + w(d), p + "norm2.bias": w(d),
+            p + "mlp.0.weight": w(4 * d, d), p + "mlp.0.bias": w(4 * d),
+            p + "mlp.2.weight": w(d, 4 * d), p + "mlp.2.bias": w(d),
+        })
+    sd["norm.weight"], sd["norm.bias"] = 1 + w(d), w(d)
+    sd["head.weight"] = sd["emb.weight"]
+    return sd
+
+
+def reference_forward(sd, cfg, idx):
+    """The forward pass written out by hand, RoPE as complex rotation, mask as -inf."""
+    d, H, T = cfg["d_model"], cfg["n_heads"], idx.shape[1]
+    hd = d // H
+    inv = 10000 ** (-torch.arange(0, hd, 2).float() / hd)
+    turn = torch.polar(torch.ones(T, hd // 2), torch.arange(T).float()[:, None] * inv)
+
+    def rope(x):  # x (B, H, T, hd): pairs (2j, 2j+1) as one complex number
+        z = torch.view_as_complex(x.reshape(*x.shape[:-1], hd // 2, 2).contiguous())
+        return torch.view_as_real(z * turn).flatten(-2)
+
+    def ln(x, name):
+        return F.layer_norm(x, (d,), sd[name + ".weight"], sd[name + ".bias"])
+
+    x = sd["emb.weight"][idx]
+    mask = torch.full((T, T), float("-inf")).triu(1)
+    for i in range(cfg["n_layers"]):
+        p = f"blocks.{i}."
+        h = ln(x, p + "norm1") @ sd[p + "attn.qkv.weight"].T
+        q, k, v = (t.reshape(*idx.shape, H, hd).transpose(1, 2) for t in h.split(d, dim=-1))
+        att = torch.softmax(rope(q) @ rope(k).transpose(-1, -2) / math.sqrt(hd) + mask, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(*idx.shape, d)
+        x = x + y @ sd[p + "attn.out.weight"].T
+        h = F.gelu(ln(x, p + "norm2") @ sd[p + "mlp.0.weight"].T + sd[p + "mlp.0.bias"])
+        x = x + h @ sd[p + "mlp.2.weight"].T + sd[p + "mlp.2.bias"]
+    return ln(x, "norm") @ sd["head.weight"].T
+
+
+@pytest.fixture(scope="module")
+def part3_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "part3.pt"
+    torch.save({"model": part3_state_dict(PART3_CONFIG), "config": dict(PART3_CONFIG), "step": 1500}, path)
+    return path
+
+
+def test_parameter_budget_is_part3s():
+    model = GPT()
+    assert sum(p.numel() for p in model.parameters()) == 5_781_504
+    assert model.head.weight is model.emb.weight
+    assert set(model.state_dict()) == set(part3_state_dict(PART3_CONFIG))
+
+
+def test_part3_checkpoint_loads_strict_and_matches_a_hand_written_forward(part3_file):
+    model = load_checkpoint(part3_file)
+    assert not model.training and model.cfg.n_kv_heads == 4
+    idx = torch.randint(4096, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, loss = model(idx)
+    assert loss is None
+    expected = reference_forward(part3_state_dict(PART3_CONFIG), PART3_CONFIG, idx)
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
+
+
+def test_loss_is_cross_entropy_and_untrained_loss_is_near_ln_vocab():
+    torch.manual_seed(1337)
+    model = GPT().eval()
+    idx = torch.randint(4096, (4, 65), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, loss = model(idx[:, :-1], idx[:, 1:])
+    assert loss.item() == pytest.approx(F.cross_entropy(logits.reshape(-1, 4096), idx[:, 1:].reshape(-1)).item())
+    assert abs(loss.item() - math.log(4096)) < 0.15
+
+
+def test_model_py_prints_the_budget():
+    run = subprocess.run([sys.executable, "model.py"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "5,781,504" in run.stdout
+
+
+def test_generate_reruns_the_window_and_counts_tokens():
+    torch.manual_seed(0)
+    model = GPT(Config(context=8)).eval()
+    out = model.generate(torch.zeros(1, 3, dtype=torch.long), 20)
+    assert out.shape == (1, 23)
+    with pytest.raises(ValueError, match="n_tokens"):
+        model.generate(out, -1)
+    with pytest.raises(ValueError, match="exceed the context"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_shipped_checkpoint_loads():
+    model = load_checkpoint("holmes.pt")
+    assert sum(p.numel() for p in model.parameters()) == 5_781_504
+
+
+def test_config_without_newer_fields_falls_back_to_defaults(tmp_path):
+    small = {"vocab_size": 300, "d_model": 32, "n_heads": 2, "n_layers": 1, "context": 16}
+    torch.save({"model": GPT(Config(**small)).state_dict(), "config": small, "step": 0}, tmp_path / "old.pt")
+    model = load_checkpoint(tmp_path / "old.pt")
+    assert model.cfg.dropout == 0.1 and model.cfg.n_kv_heads == 2
+
+
+def test_weights_that_do_not_fit_the_config_name_key_and_shapes(tmp_path):
+    sd = part3_state_dict(PART3_CONFIG)
+    sd["blocks.2.mlp.0.weight"] = torch.zeros(512, 256)
+    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=r"'blocks.2.mlp.0.weight' has shape \(512, 256\) but the config needs \(1024, 256\)"):
+        load_checkpoint(tmp_path / "bad.pt")
+    del sd["blocks.2.mlp.0.weight"]
+    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="'blocks.2.mlp.0.weight' is missing"):
+        load_checkpoint(tmp_path / "bad.pt")
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("code ran",))
+
+
+@pytest.mark.parametrize("content", [b"plain text, not a checkpoint", pickle.dumps(Payload()), None])
+def test_files_that_are_not_checkpoints_get_a_one_line_error(tmp_path, content):
+    path = tmp_path / "x.pt"
+    if content is None:
+        torch.save({"weights": {}}, path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match="x.pt is not a"):
+        load_checkpoint(path)
+
+
+def test_missing_checkpoint_and_unknown_config_field(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.pt not found"):
+        load_checkpoint(tmp_path / "nope.pt")
+    torch.save({"model": {}, "config": {"d_model": 8, "flash": True}, "step": 0}, tmp_path / "odd.pt")
+    with pytest.raises(ValueError, match="unknown config field 'flash'"):
+        load_checkpoint(tmp_path / "odd.pt")
+
+
+def test_devices_are_checked():
+    assert device_from("cpu").type == "cpu"
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        device_from("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            device_from("cuda")

@@ -1,0 +1,65 @@
+"""train.py follows Part 3's recipe, writes Part 3 checkpoints and resumes a cut-short run."""
+import csv
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import load_checkpoint
+from train import lr_at
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train(tmp_path, *args):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--corpus", str(tmp_path / "corpus.txt"),
+           "--tokenizer", os.path.join(ROOT, "tokenizer.json"), "--out", "run", *args]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+
+
+def test_schedule_warms_up_then_decays_to_a_tenth():
+    assert lr_at(0, 1500, 1e-3) == pytest.approx(1e-3 / 150)
+    assert lr_at(149, 1500, 1e-3) == pytest.approx(1e-3)
+    assert lr_at(150, 1500, 1e-3) == pytest.approx(1e-3)
+    assert lr_at(1500, 1500, 1e-3) == pytest.approx(1e-4)
+    assert lr_at(199, 5000, 1e-3) == pytest.approx(1e-3)
+    mid = 150 + (1500 - 150) / 2
+    assert lr_at(mid, 1500, 1e-3) == pytest.approx(1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 2))))
+
+
+def test_short_run_writes_part3_checkpoint_and_csv_then_resumes(tmp_path):
+    (tmp_path / "corpus.txt").write_text("The game is afoot, Watson! Come, the hansom waits. " * 400)
+    first = train(tmp_path, "--steps", "1", "--eval-batches", "1")
+    assert first.returncode == 0, first.stderr
+    assert os.listdir(tmp_path / "data")
+    ckpt = torch.load(tmp_path / "run.pt", weights_only=True)
+    assert set(ckpt) == {"model", "config", "step"} and ckpt["step"] == 1
+    load_checkpoint(tmp_path / "run.pt")
+
+    second = train(tmp_path, "--steps", "2", "--eval-batches", "1", "--resume")
+    assert second.returncode == 0, second.stderr
+    assert "resuming at step 1" in second.stderr
+    rows = list(csv.DictReader(open(tmp_path / "run.csv")))
+    assert [r["step"] for r in rows] == ["1", "2"]
+    assert list(rows[0]) == ["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"]
+    assert torch.load(tmp_path / "run.resume.pt", weights_only=True)["step"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--device", "gpu"], "unknown device 'gpu'"),
+])
+def test_bad_arguments_get_a_one_line_error(tmp_path, args, message):
+    (tmp_path / "corpus.txt").write_text("x")
+    run = train(tmp_path, *args)
+    assert run.returncode != 0
+    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_missing_corpus_gets_a_one_line_error(tmp_path):
+    run = train(tmp_path)
+    assert run.returncode != 0
+    assert run.stderr.strip() == f"train.py: error: corpus {tmp_path / 'corpus.txt'} not found; pass --corpus PATH to a UTF-8 text file"

@@ -80,9 +80,9 @@ class RoPEAttention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v
 
-    def attend(self, q, k, v, is_causal):
+    def attend(self, q, k, v, is_causal, attn_mask=None):
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=is_causal,
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )

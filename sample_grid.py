@@ -1,0 +1,59 @@
+"""One checkpoint, one prompt, eight sampling settings, side by side.
+
+The eight settings run as eight rows of one prefill (prefill_clone.Engine),
+each row with its own generator seeded the same, so every row is what that
+setting gives alone, and every run on the CPU prints the same text.
+
+    python sample_grid.py [CHECKPOINT] [PROMPT] --tokens 60 --seed 1
+"""
+import argparse
+import sys
+
+from bpe import BPE
+from cached import encode_prompt, load
+from model import check_count
+from prefill_clone import Engine
+
+SETTINGS = {
+    "greedy": dict(temperature=0),
+    "temperature 0.5": dict(temperature=0.5),
+    "temperature 1.0": dict(temperature=1.0),
+    "temperature 1.5": dict(temperature=1.5),
+    "top-k 40": dict(top_k=40),
+    "top-p 0.9": dict(top_p=0.9),
+    "greedy + penalty 1.3": dict(temperature=0, penalty=1.3),
+    "top-p 0.9, temperature 0.8, penalty 1.3": dict(top_p=0.9, temperature=0.8, penalty=1.3),
+}
+
+
+def grid(model, tokens, n_tokens, seed):
+    """Each setting's new tokens, all eight rows from one prefill."""
+    rows, _ = Engine(model).generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens,
+                                           seed=[seed] * len(SETTINGS), settings=list(SETTINGS.values()))
+    return dict(zip(SETTINGS, rows))
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Eight sampling settings on one checkpoint.")
+    ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
+    ap.add_argument("prompt", nargs="?", default="Holmes")
+    ap.add_argument("--tokens", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--tokenizer", default="tokenizer.json")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    check_count("--tokens", args.tokens)
+    model = load(args.checkpoint, args.device)
+    tokenizer = BPE.load(args.tokenizer)
+    tokens = encode_prompt(tokenizer, args.prompt, "cpu")[0].tolist()
+    for name, row in grid(model, tokens, args.tokens, args.seed).items():
+        print(f"=== {name}")
+        print(tokenizer.decode(tokens + row).strip())
+        print()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:
+        sys.exit(f"sample_grid.py: error: {e}")

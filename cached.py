@@ -16,7 +16,6 @@ the context window and reports where they first part past it.
 
 reproduce the two bugs and report after how many of 100 tokens each drifts.
 """
-import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from bpe import BPE
-from model import GPT, Block, RoPEAttention, check_count, greedy, load_checkpoint, rope_cos_sin, rotate
+from model import Block, GPT, Parser, RoPEAttention, check_count, greedy, load_checkpoint, rope_cos_sin, rotate, run_cli
 
 
 def rope_at(x, start):
@@ -185,7 +184,7 @@ def drift(model, prompt, name, n_tokens=100):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="KV cache: cached equals uncached inside the window.")
+    ap = Parser(description="KV cache: cached equals uncached inside the window.")
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--prompt", default="The night was")
@@ -209,7 +208,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        sys.exit(f"cached.py: error: {e}")
+    run_cli(main)

@@ -9,7 +9,9 @@ Part 3 checkpoint loads here with strict=True. One addition: Config.n_kv_heads
 prints the parameter budget and checks that the untrained loss is close to
 ln(vocab_size), as it must be for a model that has learnt nothing yet.
 """
+import argparse
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, fields
 
@@ -221,6 +223,21 @@ def load_checkpoint(path, device="cpu", cls=GPT):
 
 def save_checkpoint(model, path, step):
     torch.save({"model": model.state_dict(), "config": asdict(model.cfg), "step": step}, path)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose complaints are one line and a non-zero exit, like every other error here."""
+
+    def error(self, message):
+        sys.exit(f"{self.prog}: error: {message} (see --help)")
+
+
+def run_cli(main):
+    """Run a script's main; bad input becomes one line on stderr and exit status 1."""
+    try:
+        main()
+    except (ValueError, OSError) as e:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
 
 
 def main():

@@ -6,12 +6,10 @@ setting gives alone, and every run on the CPU prints the same text.
 
     python sample_grid.py [CHECKPOINT] [PROMPT] --tokens 60 --seed 1
 """
-import argparse
-import sys
 
 from bpe import BPE
 from cached import encode_prompt, load
-from model import check_count
+from model import Parser, check_count, run_cli
 from prefill_clone import Engine
 
 SETTINGS = {
@@ -34,7 +32,7 @@ def grid(model, tokens, n_tokens, seed):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Eight sampling settings on one checkpoint.")
+    ap = Parser(description="Eight sampling settings on one checkpoint.")
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("prompt", nargs="?", default="Holmes")
     ap.add_argument("--tokens", type=int, default=60)
@@ -53,7 +51,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        sys.exit(f"sample_grid.py: error: {e}")
+    run_cli(main)

@@ -8,7 +8,6 @@ decay; every 250 steps the mean loss of 20 train and 20 val batches goes to
 NAME.csv and the best-val model to NAME.pt, in Part 3's checkpoint format.
 NAME.resume.pt holds what a cut-short run needs to go on with --resume.
 """
-import argparse
 import csv
 import hashlib
 import math
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from bpe import BPE
-from model import GPT, Config, device_from, save_checkpoint
+from model import Config, GPT, Parser, device_from, run_cli, save_checkpoint
 
 BATCH = 32
 
@@ -81,7 +80,7 @@ def evaluate(model, splits, context, n_batches, device, autocast):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Train the Part 3 GPT on a text corpus.")
+    ap = Parser(description="Train the Part 3 GPT on a text corpus.")
     ap.add_argument("--corpus", required=True, help="UTF-8 text file")
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--steps", type=int, default=1500)
@@ -167,7 +166,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        sys.exit(f"train.py: error: {e}")
+    run_cli(main)

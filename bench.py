@@ -1,0 +1,272 @@
+"""Every speed and memory figure the inference post claims, measured here.
+
+    python bench.py [cpu|cuda] [THREADS] [--quick] [--json PATH] [--runs 3]
+
+Untrained weights, greedy, fp32, 8-token random prompts, seeded. Each figure
+is the median of --runs runs after a warm-up, with its spread (half the range,
+as a share of the median). Rows print as they are measured:
+
+1. tok/s with no cache (Part 3's loop), cached.py's cache, and the
+   preallocated cache of prefill_clone.py, at batch 1 and 16.
+2. Cache memory measured from the tensors against the formula.
+3. Time to first token: N separate prefills against one prefill plus a copy.
+4. Where the time goes: a decode step's matrix multiplies alone against the
+   whole step; the ratio is the overhead above the matmul floor.
+5. CUDA only: kernels per decode step, the share of the step the GPU is busy,
+   and a CUDA-graph decode (one captured step, replayed) at batch 1 and 16.
+"""
+import json
+import platform
+import time
+
+import torch
+
+from cached import CachedGPT
+from model import Config, Parser, device_from, greedy, run_cli
+from prefill_clone import (KVCache, cloned_prefill, decode_step, generate_prealloc, median, prefill,
+                           separate_prefills, sync, timed_generation)
+
+FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50)
+QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), steps=5)
+
+
+def measure(fn, runs, device):
+    """Median and spread (half range / median) of fn's wall time over runs, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(runs):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    mid = median(times)
+    return mid, (max(times) - min(times)) / 2 / mid
+
+
+def machine(device):
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"device": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def table_decode(model, device, sizes, runs, out):
+    print("\n1. decode speed, tok/s = batch x tokens / seconds (median, ± half range)")
+    print(f"{'batch':>5} {'tokens':>6} {'no cache':>16} {'cached.py':>16} {'preallocated':>16} {'cache/none':>10} {'prealloc/cached':>15}")
+    gen = torch.Generator().manual_seed(0)
+    for batch in sizes["batches"]:
+        idx = torch.randint(model.cfg.vocab_size, (batch, 8), generator=gen).to(device)
+        for n in sizes["lengths"]:
+            row = {"batch": batch, "tokens": n}
+            for name, fn in (("no_cache", model.generate_uncached), ("cached", model.generate_cached),
+                             ("prealloc", lambda i, k, p: generate_prealloc(model, i, k, p))):
+                t, spread = measure(lambda: fn(idx, n, greedy), runs, device)
+                row[name] = batch * n / t
+                row[name + "_spread"] = spread
+            out.append(row)
+            cells = " ".join(f"{row[k]:>9,.0f} ±{row[k + '_spread']:>4.0%}" for k in ("no_cache", "cached", "prealloc"))
+            print(f"{batch:>5} {n:>6} {cells} {row['cached'] / row['no_cache']:>9.1f}x {row['prealloc'] / row['cached']:>14.2f}x",
+                  flush=True)
+
+
+def table_memory(device, out):
+    print("\n2. cache memory at 256 tokens, batch 1, fp32: 2 (k, v) x layers x tokens x kv width x 4 bytes")
+    for name, cfg in (("Part 3 (4 heads)", Config()), ("GQA (4 q heads, 1 kv head)", Config(n_kv_heads=1))):
+        cache = KVCache(1, cfg.n_layers, 256, cfg.n_kv_heads, cfg.head_dim, torch.float32, device)
+        formula = 2 * cfg.n_layers * 256 * cfg.n_kv_heads * cfg.head_dim * 4
+        out.append({"config": name, "measured_bytes": cache.nbytes(), "formula_bytes": formula})
+        print(f"  {name:<28} measured {cache.nbytes() / 2**20:.2f} MiB, formula {formula / 2**20:.2f} MiB")
+
+
+def table_prefill(model, device, sizes, runs, out):
+    print("\n3. time to first token: N separate prefills against one prefill + copy (ms, median)")
+    print(f"{'prompt':>6} {'N':>3} {'separate':>10} {'clone':>10} {'speedup':>8}")
+    gen = torch.Generator().manual_seed(1)
+    for n_prompt in sizes["prompts"]:
+        prompt = torch.randint(model.cfg.vocab_size, (1, n_prompt), generator=gen).to(device)
+        for n in sizes["clones"]:
+            sep = measure(lambda: timed_generation(model, prompt, n, 1, separate_prefills, temperature=0), runs, device)[0]
+            clone = measure(lambda: timed_generation(model, prompt, n, 1, cloned_prefill, temperature=0), runs, device)[0]
+            out.append({"prompt": n_prompt, "n": n, "separate_ms": sep * 1e3, "clone_ms": clone * 1e3})
+            print(f"{n_prompt:>6} {n:>3} {sep * 1e3:>10.1f} {clone * 1e3:>10.1f} {sep / clone:>7.1f}x", flush=True)
+
+
+def decode_fixture(model, batch, device):
+    """A batch-row cache filled to the full window, and a token to feed."""
+    ctx = model.cfg.context
+    idx = torch.randint(model.cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(2)).to(device)
+    _, cache = prefill(model, idx, ctx)
+    return idx[:, -1:], cache
+
+
+def matmuls_only(model, batch, ctx, device):
+    """The decode step's matrix multiplies, same weights and batch, nothing else."""
+    cfg = model.cfg
+    x = torch.randn(batch, cfg.d_model, device=device)
+    h = torch.randn(batch, 4 * cfg.d_model, device=device)
+    q = torch.randn(batch, cfg.n_heads, 1, cfg.head_dim, device=device)
+    keys = torch.randn(batch, cfg.n_heads, cfg.head_dim, ctx, device=device)
+    scores = torch.randn(batch, cfg.n_heads, 1, ctx, device=device)
+    values = torch.randn(batch, cfg.n_heads, ctx, cfg.head_dim, device=device)
+
+    def run():
+        for block in model.blocks:
+            x @ block.attn.qkv.weight.T
+            q @ keys
+            scores @ values
+            x @ block.attn.out.weight.T
+            x @ block.mlp[0].weight.T
+            h @ block.mlp[2].weight.T
+        return x @ model.head.weight.T
+    return run
+
+
+@torch.no_grad()
+def table_overhead(model, device, sizes, runs, out):
+    print(f"\n4. where the time goes: one decode step at a full {model.cfg.context}-position cache (ms, median of {sizes['steps']} steps)")
+    print(f"{'batch':>5} {'whole step':>11} {'matmuls only':>13} {'step/matmuls':>13}")
+    for batch in sizes["batches"]:
+        token, cache = decode_fixture(model, batch, device)
+        step = measure(lambda: [decode_step(model, token, cache) for _ in range(sizes["steps"])], runs, device)[0]
+        floor = matmuls_only(model, batch, model.cfg.context, device)
+        mm = measure(lambda: [floor() for _ in range(sizes["steps"])], runs, device)[0]
+        step, mm = step / sizes["steps"], mm / sizes["steps"]
+        out.append({"batch": batch, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "overhead_ratio": step / mm})
+        print(f"{batch:>5} {step * 1e3:>11.3f} {mm * 1e3:>13.3f} {step / mm:>12.1f}x", flush=True)
+
+
+class GraphedDecode:
+    """One greedy decode step, captured once as a CUDA graph and replayed.
+
+    Static input and output buffers; the cache is written in place and its
+    positions live on the device, so a replay needs no Python-side state.
+    With capture=False the same buffers run eagerly (how the CPU tests it).
+    """
+
+    def __init__(self, model, cache, first_token, capture=True):
+        self.model, self.cache = model, cache
+        self.token = first_token.clone()
+        self.graph = None
+        if capture:
+            saved = (cache.k.clone(), cache.v.clone(), cache.cache_seqlens.clone())
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.next_token = self._step()
+            for live, kept in zip((cache.k, cache.v, cache.cache_seqlens), saved):
+                live.copy_(kept)
+
+    def _step(self):
+        return decode_step(self.model, self.token, self.cache).argmax(dim=-1, keepdim=True)
+
+    def __call__(self):
+        """Feed the current token, return the next (a view of the static output: clone to keep)."""
+        if self.graph is None:
+            self.next_token = self._step()
+        else:
+            self.graph.replay()
+        self.token.copy_(self.next_token)
+        return self.next_token
+
+
+@torch.no_grad()
+def generate_graphed(model, idx, n_tokens, capture=True):
+    """generate_prealloc's greedy output, each decode step a graph replay."""
+    logits, cache = prefill(model, idx, min(model.cfg.context, idx.shape[1] + n_tokens))
+    first = logits.argmax(dim=-1, keepdim=True)
+    step = GraphedDecode(model, cache, first, capture)
+    out = [first] + [step().clone() for _ in range(n_tokens - 1)]
+    return torch.cat((idx, *out), dim=1)
+
+
+@torch.no_grad()
+def table_cuda(model, device, sizes, runs, out):
+    print("\n5. CUDA: kernels per decode step, GPU busy share, CUDA-graph decode")
+    if device.type != "cuda":
+        reason = "skipped: needs a CUDA device (kernel counts, GPU busy time and CUDA graphs exist only there)"
+        out["skipped"] = reason
+        print(f"  {reason}")
+        return
+    from torch.profiler import ProfilerActivity, profile
+    token, cache = decode_fixture(model, 1, device)
+    n = 20
+    decode_step(model, token, cache)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            decode_step(model, token, cache)
+        sync(device)
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6
+    out.update({"kernels_per_step": len(kernels) / n, "gpu_busy_share": busy / wall, "profiled_step_ms": wall / n * 1e3})
+    print(f"  batch 1: {len(kernels) / n:.0f} kernels per step, GPU busy {busy / wall:.0%} of a {wall / n * 1e3:.2f} ms step (profiled)")
+    gen = torch.Generator().manual_seed(3)
+    n_tokens = sizes["lengths"][-1]
+    out["graph"] = []
+    for batch in sizes["batches"]:
+        idx = torch.randint(model.cfg.vocab_size, (batch, 8), generator=gen).to(device)
+        eager = generate_prealloc(model, idx, n_tokens, greedy)
+        graphed = generate_graphed(model, idx, n_tokens)
+        same = torch.equal(eager, graphed)
+        t_eager = measure(lambda: generate_prealloc(model, idx, n_tokens, greedy), runs, device)[0]
+        t_graph = measure(lambda: generate_graphed(model, idx, n_tokens), runs, device)[0]
+        row = {"batch": batch, "tokens": n_tokens, "eager_tok_s": batch * n_tokens / t_eager,
+               "graph_tok_s": batch * n_tokens / t_graph, "same_tokens": same}
+        out["graph"].append(row)
+        print(f"  batch {batch:>2}, {n_tokens} tokens: eager {row['eager_tok_s']:,.0f} tok/s, CUDA graph "
+              f"{row['graph_tok_s']:,.0f} tok/s ({t_eager / t_graph:.1f}x), same tokens: {same}", flush=True)
+        if not same:
+            raise SystemExit("bench.py: error: CUDA-graph replay gave other tokens than the eager path")
+
+
+def main():
+    ap = Parser(description="Measure the post's speed and memory claims.")
+    ap.add_argument("device", nargs="?", default="cpu", help="cpu or cuda")
+    ap.add_argument("threads", nargs="?", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    ap.add_argument("--json", metavar="PATH", help="write every figure here")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per figure (at least 3)")
+    args = ap.parse_args()
+    device = device_from(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"THREADS must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.runs < 3:
+        raise ValueError(f"--runs must be at least 3 (figures are medians), got {args.runs}")
+    sizes = QUICK if args.quick else FULL
+
+    torch.manual_seed(0)
+    model = CachedGPT().to(device).eval()
+    info = machine(device)
+    print(f"bench.py: {info['device']} ({info.get('gpu', info['cpu'])}), {info['threads']} threads, "
+          f"torch {info['torch']}, untrained weights, greedy, fp32, median of {args.runs} runs after a warm-up")
+    report = {"machine": info, "quick": args.quick, "runs": args.runs,
+              "decode": [], "memory": [], "prefill_clone": [], "overhead": [], "cuda": {}}
+    table_decode(model, device, sizes, args.runs, report["decode"])
+    table_memory(device, report["memory"])
+    table_prefill(model, device, sizes, args.runs, report["prefill_clone"])
+    table_overhead(model, device, sizes, args.runs, report["overhead"])
+    table_cuda(model, device, sizes, args.runs, report["cuda"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,67 @@
+"""bench.py: every figure is measured and present; the CUDA-graph path's logic holds on the CPU."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench import generate_graphed
+from cached import CachedGPT
+from model import Config, greedy
+from prefill_clone import generate_prealloc
+
+
+def positive_numbers(node, path="report"):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from positive_numbers(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from positive_numbers(v, f"{path}[{i}]")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield path, node
+
+
+def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--json", str(out)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["machine"]["device"] == "cpu" and report["machine"]["threads"] == 2
+    assert report["machine"]["torch"] == torch.__version__
+    decode_keys = {"batch", "tokens", "no_cache", "cached", "prealloc", "no_cache_spread", "cached_spread", "prealloc_spread"}
+    assert len(report["decode"]) == 4 and all(set(r) == decode_keys for r in report["decode"])
+    assert [r["config"] for r in report["memory"]] == ["Part 3 (4 heads)", "GQA (4 q heads, 1 kv head)"]
+    assert all(r["measured_bytes"] == r["formula_bytes"] for r in report["memory"])
+    assert report["memory"][0]["measured_bytes"] == 3 * 2**20
+    assert len(report["prefill_clone"]) == 4 and all(set(r) == {"prompt", "n", "separate_ms", "clone_ms"}
+                                                     for r in report["prefill_clone"])
+    assert all(set(r) == {"batch", "step_ms", "matmul_ms", "overhead_ratio"} for r in report["overhead"])
+    assert report["cuda"]["skipped"].startswith("skipped: needs a CUDA device")
+    numbers = dict(positive_numbers({k: report[k] for k in ("decode", "memory", "prefill_clone", "overhead")}))
+    assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers
+    assert all(v >= 0 for k, v in numbers.items() if k.endswith("_spread"))
+    assert "5. CUDA" in run.stdout and "skipped" in run.stdout
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graphed_decode_logic_gives_the_eager_tokens(batch):
+    torch.manual_seed(0)
+    model = CachedGPT(Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)).eval()
+    idx = torch.randint(512, (batch, 8), generator=torch.Generator().manual_seed(1))
+    expected = generate_prealloc(model, idx, 40, greedy)
+    assert torch.equal(generate_graphed(model, idx, 40, capture=False), expected)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["gpu"], "unknown device 'gpu'"),
+    (["cpu", "0"], "THREADS must be at least 1, got 0"),
+    (["cpu", "--fast"], "unrecognized arguments: --fast"),
+    (["cpu", "--runs", "2"], "--runs must be at least 3"),
+] + ([] if torch.cuda.is_available() else [(["cuda"], "no CUDA GPU")]))
+def test_bad_arguments_get_one_line_and_a_non_zero_exit(args, message):
+    run = subprocess.run([sys.executable, "bench.py", *args], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1

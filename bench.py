@@ -6,40 +6,53 @@ Untrained weights, greedy, fp32, 8-token random prompts, seeded. Each figure
 is the median of --runs runs after a warm-up, with its spread (half the range,
 as a share of the median). Rows print as they are measured:
 
-1. tok/s with no cache (Part 3's loop), cached.py's cache, and the
-   preallocated cache of prefill_clone.py, at batch 1 and 16.
-2. Cache memory measured from the tensors against the formula.
-3. Time to first token: N separate prefills against one prefill plus a copy.
-4. Where the time goes: a decode step's matrix multiplies alone against the
+1. Cache memory measured from the tensors against the formula.
+2. Time to first token: N separate prefills against one prefill plus a copy.
+3. Where the time goes: a decode step's matrix multiplies alone against the
    whole step; the ratio is the overhead above the matmul floor.
+4. The post's table: tok/s with no cache (Part 3's loop), cached.py's cache,
+   and the preallocated cache of prefill_clone.py, at batch 1 and 16.
 5. CUDA only: kernels per decode step, the share of the step the GPU is busy,
    and a CUDA-graph decode (one captured step, replayed) at batch 1 and 16.
 """
 import json
 import platform
+import sys
 import time
 
 import torch
 
 from cached import CachedGPT
 from model import Config, Parser, device_from, greedy, run_cli
-from prefill_clone import (KVCache, cloned_prefill, decode_step, generate_prealloc, median, prefill,
-                           separate_prefills, sync, timed_generation)
+from prefill_clone import (
+    KVCache,
+    cloned_prefill,
+    decode_step,
+    generate_prealloc,
+    median,
+    prefill,
+    separate_prefills,
+    sync,
+    timed_generation,
+)
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50)
 QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), steps=5)
 
 
-def measure(fn, runs, device):
-    """Median and spread (half range / median) of fn's wall time over runs, after one warm-up."""
-    fn()
+def measure(fn, runs, device, warmup=None, label=""):
+    """Median and spread (half range / median) of fn's wall time over runs, after a warm-up."""
+    (warmup or fn)()
     times = []
-    for _ in range(runs):
+    for i in range(runs):
+        eta = f", ETA {(runs - i) * times[-1]:.0f}s" if times else ""
+        print(f"\r  {label} run {i + 1}/{runs}{eta}   ", end="", file=sys.stderr, flush=True)
         sync(device)
         t0 = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
+    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     mid = median(times)
     return mid, (max(times) - min(times)) / 2 / mid
 
@@ -58,8 +71,9 @@ def machine(device):
 
 
 def table_decode(model, device, sizes, runs, out):
-    print("\n1. decode speed, tok/s = batch x tokens / seconds (median, ± half range)")
-    print(f"{'batch':>5} {'tokens':>6} {'no cache':>16} {'cached.py':>16} {'preallocated':>16} {'cache/none':>10} {'prealloc/cached':>15}")
+    print("\n4. decode speed, the post's table: tok/s = batch x tokens / seconds (median, ± half range)")
+    print(f"{'batch':>5} {'tokens':>6} {'no cache':>16} {'cached.py':>16} {'preallocated':>16} "
+          f"{'cache/none':>10} {'prealloc/cached':>15}")
     gen = torch.Generator().manual_seed(0)
     for batch in sizes["batches"]:
         idx = torch.randint(model.cfg.vocab_size, (batch, 8), generator=gen).to(device)
@@ -67,17 +81,19 @@ def table_decode(model, device, sizes, runs, out):
             row = {"batch": batch, "tokens": n}
             for name, fn in (("no_cache", model.generate_uncached), ("cached", model.generate_cached),
                              ("prealloc", lambda i, k, p: generate_prealloc(model, i, k, p))):
-                t, spread = measure(lambda: fn(idx, n, greedy), runs, device)
+                t, spread = measure(lambda: fn(idx, n, greedy), runs, device, warmup=lambda: fn(idx, 8, greedy),
+                                    label=f"batch {batch}, {n} tokens, {name}:")
                 row[name] = batch * n / t
                 row[name + "_spread"] = spread
             out.append(row)
-            cells = " ".join(f"{row[k]:>9,.0f} ±{row[k + '_spread']:>4.0%}" for k in ("no_cache", "cached", "prealloc"))
-            print(f"{batch:>5} {n:>6} {cells} {row['cached'] / row['no_cache']:>9.1f}x {row['prealloc'] / row['cached']:>14.2f}x",
-                  flush=True)
+            cells = " ".join(f"{row[k]:>9,.0f} ±{row[k + '_spread']:>4.0%}"
+                             for k in ("no_cache", "cached", "prealloc"))
+            ratios = f"{row['cached'] / row['no_cache']:>9.1f}x {row['prealloc'] / row['cached']:>14.2f}x"
+            print(f"{batch:>5} {n:>6} {cells} {ratios}", flush=True)
 
 
 def table_memory(device, out):
-    print("\n2. cache memory at 256 tokens, batch 1, fp32: 2 (k, v) x layers x tokens x kv width x 4 bytes")
+    print("\n1. cache memory at 256 tokens, batch 1, fp32: 2 (k, v) x layers x tokens x kv width x 4 bytes")
     for name, cfg in (("Part 3 (4 heads)", Config()), ("GQA (4 q heads, 1 kv head)", Config(n_kv_heads=1))):
         cache = KVCache(1, cfg.n_layers, 256, cfg.n_kv_heads, cfg.head_dim, torch.float32, device)
         formula = 2 * cfg.n_layers * 256 * cfg.n_kv_heads * cfg.head_dim * 4
@@ -86,14 +102,14 @@ def table_memory(device, out):
 
 
 def table_prefill(model, device, sizes, runs, out):
-    print("\n3. time to first token: N separate prefills against one prefill + copy (ms, median)")
+    print("\n2. time to first token: N separate prefills against one prefill + copy (ms, median)")
     print(f"{'prompt':>6} {'N':>3} {'separate':>10} {'clone':>10} {'speedup':>8}")
     gen = torch.Generator().manual_seed(1)
     for n_prompt in sizes["prompts"]:
         prompt = torch.randint(model.cfg.vocab_size, (1, n_prompt), generator=gen).to(device)
         for n in sizes["clones"]:
-            sep = measure(lambda: timed_generation(model, prompt, n, 1, separate_prefills, temperature=0), runs, device)[0]
-            clone = measure(lambda: timed_generation(model, prompt, n, 1, cloned_prefill, temperature=0), runs, device)[0]
+            sep, clone = (measure(lambda: timed_generation(model, prompt, n, 1, first, temperature=0), runs, device)[0]
+                          for first in (separate_prefills, cloned_prefill))
             out.append({"prompt": n_prompt, "n": n, "separate_ms": sep * 1e3, "clone_ms": clone * 1e3})
             print(f"{n_prompt:>6} {n:>3} {sep * 1e3:>10.1f} {clone * 1e3:>10.1f} {sep / clone:>7.1f}x", flush=True)
 
@@ -128,13 +144,15 @@ def matmuls_only(model, batch, ctx, device):
     return run
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def table_overhead(model, device, sizes, runs, out):
-    print(f"\n4. where the time goes: one decode step at a full {model.cfg.context}-position cache (ms, median of {sizes['steps']} steps)")
+    print(f"\n3. where the time goes: one decode step at a full {model.cfg.context}-position cache "
+          f"(ms, median of {sizes['steps']} steps)")
     print(f"{'batch':>5} {'whole step':>11} {'matmuls only':>13} {'step/matmuls':>13}")
     for batch in sizes["batches"]:
         token, cache = decode_fixture(model, batch, device)
-        step = measure(lambda: [decode_step(model, token, cache) for _ in range(sizes["steps"])], runs, device)[0]
+        ctx = model.cfg.context
+        step = measure(lambda: [decode_step(model, token, cache, ctx) for _ in range(sizes["steps"])], runs, device)[0]
         floor = matmuls_only(model, batch, model.cfg.context, device)
         mm = measure(lambda: [floor() for _ in range(sizes["steps"])], runs, device)[0]
         step, mm = step / sizes["steps"], mm / sizes["steps"]
@@ -181,7 +199,7 @@ class GraphedDecode:
         return self.next_token
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_graphed(model, idx, n_tokens, capture=True):
     """generate_prealloc's greedy output, each decode step a graph replay."""
     logits, cache = prefill(model, idx, min(model.cfg.context, idx.shape[1] + n_tokens))
@@ -191,7 +209,7 @@ def generate_graphed(model, idx, n_tokens, capture=True):
     return torch.cat((idx, *out), dim=1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def table_cuda(model, device, sizes, runs, out):
     print("\n5. CUDA: kernels per decode step, GPU busy share, CUDA-graph decode")
     if device.type != "cuda":
@@ -211,9 +229,11 @@ def table_cuda(model, device, sizes, runs, out):
         sync(device)
         wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.device_time for e in kernels) / 1e6
-    out.update({"kernels_per_step": len(kernels) / n, "gpu_busy_share": busy / wall, "profiled_step_ms": wall / n * 1e3})
-    print(f"  batch 1: {len(kernels) / n:.0f} kernels per step, GPU busy {busy / wall:.0%} of a {wall / n * 1e3:.2f} ms step (profiled)")
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    out.update({"kernels_per_step": len(kernels) / n, "gpu_busy_share": busy / wall,
+                "profiled_step_ms": wall / n * 1e3})
+    print(f"  batch 1: {len(kernels) / n:.0f} kernels per step, "
+          f"GPU busy {busy / wall:.0%} of a {wall / n * 1e3:.2f} ms step (profiled)")
     gen = torch.Generator().manual_seed(3)
     n_tokens = sizes["lengths"][-1]
     out["graph"] = []
@@ -257,10 +277,10 @@ def main():
           f"torch {info['torch']}, untrained weights, greedy, fp32, median of {args.runs} runs after a warm-up")
     report = {"machine": info, "quick": args.quick, "runs": args.runs,
               "decode": [], "memory": [], "prefill_clone": [], "overhead": [], "cuda": {}}
-    table_decode(model, device, sizes, args.runs, report["decode"])
     table_memory(device, report["memory"])
     table_prefill(model, device, sizes, args.runs, report["prefill_clone"])
     table_overhead(model, device, sizes, args.runs, report["overhead"])
+    table_decode(model, device, sizes, args.runs, report["decode"])
     table_cuda(model, device, sizes, args.runs, report["cuda"])
     if args.json:
         with open(args.json, "w") as f:

@@ -69,7 +69,7 @@ class BPE:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except FileNotFoundError:
-            raise FileNotFoundError(f"tokenizer file {path} not found; pass the path of a Part 1 tokenizer.json") from None
+            raise FileNotFoundError(f"tokenizer file {path} not found; pass a Part 1 tokenizer.json") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
         if not isinstance(data, dict) or set(data) != {"merges"} or not isinstance(data["merges"], list):

@@ -44,10 +44,14 @@ class Config:
         return self.d_model // self.n_heads
 
 
+def rope_frequencies(head_dim, device=None):
+    """inv[j] = 10000^(-2j / head_dim), in float32."""
+    return 10000 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+
+
 def rope_cos_sin(positions, head_dim):
-    """cos and sin of angle[t, j] = t * 10000^(-2j / head_dim), in float32."""
-    inv = 10000 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    angle = positions.float()[:, None] * inv[None, :]
+    """cos and sin of angle[t, j] = t * inv[j]."""
+    angle = positions.float()[:, None] * rope_frequencies(head_dim, positions.device)[None, :]
     return angle.cos(), angle.sin()
 
 
@@ -183,11 +187,11 @@ def read_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint {path} not found; train one with train.py or pass a Part 3 .pt file") from None
+        raise FileNotFoundError(f"checkpoint {path} not found; pass a Part 3 .pt file or train one") from None
     except Exception as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{path} is not a loadable checkpoint ({first_line})") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict) or not isinstance(ckpt.get("config"), dict):
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict) and isinstance(ckpt.get("config"), dict)):
         raise ValueError(f"{path} is not a Part 3 checkpoint: expected a dict with 'model' (state dict) and 'config'")
     return ckpt
 
@@ -262,7 +266,7 @@ def main():
     expected = math.log(cfg.vocab_size)
     print(f"untrained loss {loss.item():.3f}, ln({cfg.vocab_size}) = {expected:.3f}")
     if abs(loss.item() - expected) > 0.15:
-        sys.exit(f"model.py: error: untrained loss {loss.item():.3f} is not close to ln(vocab) {expected:.3f}; check the init")
+        sys.exit(f"model.py: error: untrained loss {loss.item():.3f} is far from ln(vocab) {expected:.3f}")
 
 
 if __name__ == "__main__":

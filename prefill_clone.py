@@ -22,9 +22,8 @@ import torch
 
 from bpe import BPE
 from cached import LayerCache, encode_prompt, load
-from model import Parser, check_count, run_cli
+from model import Parser, check_count, rope_frequencies, run_cli
 from sampling import check_knobs, pick
-
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
@@ -42,7 +41,7 @@ class KVCache:
         self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.rows = torch.arange(batch, device=device)
         self.slots = torch.arange(max_len, device=device)
-        self.inv_freq = 10000 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        self.inv_freq = rope_frequencies(head_dim, device)
 
     @classmethod
     def for_model(cls, model, batch, max_len):
@@ -228,12 +227,12 @@ class Engine:
             check_count("max_tokens", max_tokens)
         generators, settings = self._row_settings(num_samples, seed, knobs)
         stops_at = self._stop_rule(stop)
-        device = self.model.emb.weight.device
-        prompt = torch.tensor([tokens], device=device)
-        logits, cache = cloned_prefill(self.model, prompt, num_samples, cache_len(self.model, len(tokens), max_tokens))
         self.rows = [RowState(list(tokens), len(tokens), deque(f)) for f in (forced or [[]] * num_samples)]
         if len(self.rows) != num_samples:
             raise ValueError(f"forced is a list of {len(self.rows)}, but num_samples is {num_samples}")
+        device = self.model.emb.weight.device
+        prompt = torch.tensor([tokens], device=device)
+        logits, cache = cloned_prefill(self.model, prompt, num_samples, cache_len(self.model, len(tokens), max_tokens))
         history = prompt.expand(num_samples, -1)
         n = 0
         while max_tokens is None or n < max_tokens:

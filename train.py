@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from bpe import BPE
-from model import Config, GPT, Parser, device_from, run_cli, save_checkpoint
+from model import GPT, Config, Parser, device_from, run_cli, save_checkpoint
 
 BATCH = 32
 
@@ -151,12 +151,14 @@ def main():
         print(f"\rstep {done}/{args.steps}  loss {loss.item():.3f}  {tok_s:,.0f} tok/s  ETA {eta / 60:.1f} min ",
               end="", file=sys.stderr)
         if done % args.eval_every == 0 or done == args.steps:
-            train_loss, val_loss = evaluate(model, (train_ids, val_ids), cfg.context, args.eval_batches, device, autocast)
+            splits = (train_ids, val_ids)
+            train_loss, val_loss = evaluate(model, splits, cfg.context, args.eval_batches, device, autocast)
             total_time = elapsed + time.time() - t0
             print(f"\rstep {done}: train {train_loss:.3f}  val {val_loss:.3f}  {tok_s:,.0f} tok/s"
                   f"  {total_time:.0f}s" + " " * 20, file=sys.stderr)
             with open(f"{name}.csv", "a", newline="") as f:
-                csv.writer(f).writerow([done, f"{train_loss:.4f}", f"{val_loss:.4f}", f"{tok_s:.0f}", f"{total_time:.1f}"])
+                row = [done, f"{train_loss:.4f}", f"{val_loss:.4f}", f"{tok_s:.0f}", f"{total_time:.1f}"]
+                csv.writer(f).writerow(row)
             if val_loss < best_val:
                 best_val = val_loss
                 save_checkpoint(model, f"{name}.pt", done)

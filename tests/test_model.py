@@ -132,7 +132,8 @@ def test_weights_that_do_not_fit_the_config_name_key_and_shapes(tmp_path):
     sd = part3_state_dict(PART3_CONFIG)
     sd["blocks.2.mlp.0.weight"] = torch.zeros(512, 256)
     torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match=r"'blocks.2.mlp.0.weight' has shape \(512, 256\) but the config needs \(1024, 256\)"):
+    message = r"'blocks.2.mlp.0.weight' has shape \(512, 256\) but the config needs \(1024, 256\)"
+    with pytest.raises(ValueError, match=message):
         load_checkpoint(tmp_path / "bad.pt")
     del sd["blocks.2.mlp.0.weight"]
     torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "bad.pt")

@@ -7,7 +7,15 @@ import torch
 
 from cached import CachedGPT, LayerCache
 from model import Config
-from prefill_clone import Engine, KVCache, cloned_prefill, decode_step, generate_prealloc, prefill, separate_prefills
+from prefill_clone import (
+    Engine,
+    KVCache,
+    cloned_prefill,
+    decode_step,
+    generate_prealloc,
+    prefill,
+    separate_prefills,
+)
 from sampling import pick
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
@@ -131,7 +139,8 @@ def test_a_stop_string_completes_a_row():
     assert len(stopped) <= 4 and tokenizer.decode(stopped).endswith(text[-2:])
 
 
-def test_ring_past_the_window_gives_cached_py_logits_for_600_steps():
+@pytest.mark.parametrize("known_pos", [True, False], ids=["sliced reads", "masked reads (graph-safe)"])
+def test_ring_past_the_window_gives_cached_py_logits_for_600_steps(known_pos):
     model = small()
     feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
     logits_ring, ring = prefill(model, feed[:, :10], SMALL.context)
@@ -140,7 +149,7 @@ def test_ring_past_the_window_gives_cached_py_logits_for_600_steps():
         logits_rolling = model.step(feed[:, :10], caches, 0)
         for t in range(10, 600):
             torch.testing.assert_close(logits_ring, logits_rolling, atol=1e-4, rtol=1e-4)
-            logits_ring = decode_step(model, feed[:, t:t + 1], ring)
+            logits_ring = decode_step(model, feed[:, t:t + 1], ring, t if known_pos else None)
             logits_rolling = model.step(feed[:, t:t + 1], caches, t)
     assert ring.k.shape[2] == SMALL.context and ring.get_pos() == 600
 
@@ -181,7 +190,8 @@ def test_bad_input_is_named(call, message):
 
 
 def test_cli_prints_samples_and_the_side_by_side_timing():
-    run = subprocess.run([sys.executable, "prefill_clone.py", "-n", "2", "--tokens", "4"], capture_output=True, text=True)
+    cmd = [sys.executable, "prefill_clone.py", "-n", "2", "--tokens", "4"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "--- sample 1 (seed 1)" in run.stdout and "1 prefill + clone" in run.stdout and "speedup" in run.stdout
     run = subprocess.run([sys.executable, "prefill_clone.py", "-n", "0"], capture_output=True, text=True)

@@ -62,4 +62,5 @@ def test_bad_arguments_get_a_one_line_error(tmp_path, args, message):
 def test_missing_corpus_gets_a_one_line_error(tmp_path):
     run = train(tmp_path)
     assert run.returncode != 0
-    assert run.stderr.strip() == f"train.py: error: corpus {tmp_path / 'corpus.txt'} not found; pass --corpus PATH to a UTF-8 text file"
+    corpus = tmp_path / "corpus.txt"
+    assert run.stderr.strip() == f"train.py: error: corpus {corpus} not found; pass --corpus PATH to a UTF-8 text file"

@@ -1,0 +1,45 @@
+"""sample_grid.py: eight settings as eight rows of one prefill, each what it gives alone, the same every run."""
+import subprocess
+import sys
+
+import torch
+
+from bpe import BPE
+from cached import load
+from prefill_clone import Engine
+from sample_grid import SETTINGS, grid
+
+
+def test_two_runs_print_the_same_text_under_every_setting():
+    runs = [subprocess.run([sys.executable, "sample_grid.py", "--tokens", "30"], capture_output=True, text=True)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout
+    assert [line[4:] for line in runs[0].stdout.splitlines() if line.startswith("=== ")] == list(SETTINGS)
+
+
+def test_each_row_of_the_grid_equals_that_setting_run_alone():
+    model = load("holmes.pt")
+    tokens = BPE.load("tokenizer.json").encode("Holmes")
+    rows = grid(model, tokens, 40, seed=1)
+    for name, knobs in SETTINGS.items():
+        alone, _ = Engine(model).generate_batch(tokens, 1, max_tokens=40, seed=1, **knobs)
+        assert rows[name] == alone[0], name
+
+
+def test_settings_really_differ_and_greedy_is_cached_py_greedy():
+    model, tokens = load("holmes.pt"), BPE.load("tokenizer.json").encode("Holmes")
+    rows = grid(model, tokens, 40, seed=1)
+    assert len({tuple(r) for r in rows.values()}) == len(SETTINGS)
+    assert rows["greedy"] == model.generate_cached(torch.tensor([tokens]), 40)[0, len(tokens):].tolist()
+
+
+def test_bad_arguments_get_one_line():
+    run = subprocess.run([sys.executable, "sample_grid.py", "holmes.pt", ""], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert run.stderr.strip() == "sample_grid.py: error: the prompt is empty; give at least one character"
+    run = subprocess.run([sys.executable, "sample_grid.py", "--tokens", "-3"], capture_output=True, text=True)
+    assert run.returncode != 0 and "--tokens must be a whole number >= 0, got -3" in run.stderr
+    run = subprocess.run([sys.executable, "sample_grid.py", "missing.pt"], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert run.stderr.strip().startswith("sample_grid.py: error: checkpoint missing.pt not found")

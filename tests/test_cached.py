@@ -86,6 +86,11 @@ def test_cached_equals_uncached_inside_the_window_shipped_batch_4(shipped):
     assert torch.equal(shipped.generate_cached(idx, 56), shipped.generate_uncached(idx, 56))
 
 
+def test_prompt_longer_than_context_is_trimmed_alike_shipped(shipped):
+    idx = prompts(4, 300, 4096)
+    assert torch.equal(shipped.generate_cached(idx, 1), shipped.generate_uncached(idx, 1))
+
+
 @pytest.mark.parametrize("name", ["rope", "mask"])
 def test_each_gotcha_drifts_within_100_tokens(name):
     model = load("holmes.pt")

@@ -31,6 +31,7 @@ from prefill_clone import (
     generate_prealloc,
     median,
     prefill,
+    project,
     separate_prefills,
     sync,
     timed_generation,
@@ -122,8 +123,8 @@ def decode_fixture(model, batch, device):
     return idx[:, -1:], cache
 
 
-def matmuls_only(model, batch, ctx, device):
-    """The decode step's matrix multiplies, same weights and batch, nothing else."""
+def matmuls_only(model, batch, ctx, device, product):
+    """The decode step's matrix multiplies, same weights and batch, nothing else; product(layer, rows)."""
     cfg = model.cfg
     x = torch.randn(batch, cfg.d_model, device=device)
     h = torch.randn(batch, 4 * cfg.d_model, device=device)
@@ -134,30 +135,38 @@ def matmuls_only(model, batch, ctx, device):
 
     def run():
         for block in model.blocks:
-            x @ block.attn.qkv.weight.T
+            product(block.attn.qkv, x)
             q @ keys
             scores @ values
-            x @ block.attn.out.weight.T
-            x @ block.mlp[0].weight.T
-            h @ block.mlp[2].weight.T
-        return x @ model.head.weight.T
+            product(block.attn.out, x)
+            product(block.mlp[0], x)
+            product(block.mlp[2], h)
+        return product(model.head, x)
     return run
+
+
+def as_nn_linear(layer, rows):
+    return layer(rows)
 
 
 @torch.inference_mode()
 def table_overhead(model, device, sizes, runs, out):
     print(f"\n3. where the time goes: one decode step at a full {model.cfg.context}-position cache "
           f"(ms, median of {sizes['steps']} steps)")
-    print(f"{'batch':>5} {'whole step':>11} {'matmuls only':>13} {'step/matmuls':>13}")
+    print("   matmuls: the step's matrix multiplies alone, in decode_step's order (project: W @ rows.T)")
+    print("   and in nn.Linear's (rows @ W.T, what cached.py runs)")
+    print(f"{'batch':>5} {'whole step':>11} {'matmuls':>9} {'step/matmuls':>13} {'nn.Linear matmuls':>18}")
     for batch in sizes["batches"]:
         token, cache = decode_fixture(model, batch, device)
-        ctx = model.cfg.context
-        step = measure(lambda: [decode_step(model, token, cache, ctx) for _ in range(sizes["steps"])], runs, device)[0]
-        floor = matmuls_only(model, batch, model.cfg.context, device)
-        mm = measure(lambda: [floor() for _ in range(sizes["steps"])], runs, device)[0]
-        step, mm = step / sizes["steps"], mm / sizes["steps"]
-        out.append({"batch": batch, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "overhead_ratio": step / mm})
-        print(f"{batch:>5} {step * 1e3:>11.3f} {mm * 1e3:>13.3f} {step / mm:>12.1f}x", flush=True)
+        ctx, steps = model.cfg.context, sizes["steps"]
+        step = measure(lambda: [decode_step(model, token, cache, ctx) for _ in range(steps)], runs, device)[0]
+        mm, linear = (measure(lambda: [floor() for _ in range(steps)], runs, device)[0]
+                      for floor in (matmuls_only(model, batch, ctx, device, product)
+                                    for product in (project, as_nn_linear)))
+        step, mm, linear = step / steps, mm / steps, linear / steps
+        out.append({"batch": batch, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "overhead_ratio": step / mm,
+                    "nn_linear_matmul_ms": linear * 1e3})
+        print(f"{batch:>5} {step * 1e3:>11.3f} {mm * 1e3:>9.3f} {step / mm:>12.1f}x {linear * 1e3:>18.3f}", flush=True)
 
 
 class GraphedDecode:

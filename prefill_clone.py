@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from bpe import BPE
 from cached import LayerCache, encode_prompt, load
@@ -99,41 +100,59 @@ def prefill(model, idx, max_len):
     return logits, cache
 
 
+def project(layer, rows):
+    """layer(rows) for the few rows (B, in) of a decode step, as W @ rows.T; returns (B, out).
+
+    The same product as nn.Linear's rows @ W.T, in the order MKL runs fastest on the CPU
+    measured in the README (an AMD EPYC): the weights on the left. A lone row on the CPU goes
+    in as two copies of itself: there MKL's one-column kernel (gemv) is far slower than its
+    two-column one (gemm), though both read the weights once. bench.py's table 3 times these
+    matmuls against nn.Linear's.
+    """
+    w, b = layer.weight, layer.bias
+    lone_on_cpu = rows.shape[0] == 1 and rows.is_cpu
+    cols = (torch.cat((rows, rows)) if lone_on_cpu else rows).T
+    out = w @ cols if b is None else torch.addmm(b[:, None], w, cols)
+    return out[:, :rows.shape[0]].T
+
+
 @torch.inference_mode()
 def decode_step(model, token, cache, pos=None):
     """Feed one token per row (B, 1) at each row's position; write k, v in place; return logits (B, vocab).
 
     pos: the position being fed, the same for every row, when the caller knows it; attention then
     reads just the slots written so far, unmasked. With pos=None nothing here reads a Python-side
-    position (what a CUDA graph needs): attention reads every slot and masks the unwritten ones.
+    position (what a CUDA graph needs): each row's position comes from cache_seqlens on the device,
+    and attention reads every slot and masks the unwritten ones.
     """
     cfg = model.cfg
-    B, H, Hkv, hd = token.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    positions = cache.cache_seqlens.long()
-    # RoPE as one complex multiply per layer: pair (2j, 2j+1) is x[2j] + i x[2j+1], turned by angle
-    angle = positions[:, None].float() * cache.inv_freq
-    turn = torch.complex(angle.cos(), angle.sin()).view(B, 1, hd // 2)
-    slot = positions % cache.slots.shape[0]
+    B, H, Hkv, hd, L = token.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cache.slots.shape[0]
     if pos is None:
+        at = cache.cache_seqlens.long().view(B, 1, 1)
+        slot = (cache.rows, at.view(B) % L)
         keys, values = cache.k, cache.v
-        seen = (cache.slots[None, :] <= positions[:, None]).view(B, 1, 1, -1)
+        seen = (cache.slots <= at).view(B, 1, 1, L)
     else:
-        n_seen = min(pos + 1, cache.slots.shape[0])
-        keys, values, seen = cache.k[:, :, :n_seen], cache.v[:, :, :n_seen], None
-    x = model.emb(token)
+        at, slot = pos, (slice(None), pos % L)
+        keys, values, seen = cache.k[:, :, :pos + 1], cache.v[:, :, :pos + 1], None
+    # RoPE as one complex multiply per layer: pair (2j, 2j+1) is x[2j] + i x[2j+1], turned by angle
+    angle = at * cache.inv_freq
+    turn = torch.complex(angle.cos(), angle.sin())
+    x = model.emb(token[:, 0])
     for i, block in enumerate(model.blocks):
         attn = block.attn
-        qk, v = attn.qkv(block.norm1(x)).split([cfg.d_model + attn.kv_width, attn.kv_width], dim=-1)
+        qkv = project(attn.qkv, block.norm1(x)).contiguous()  # view_as_complex needs unit stride
+        qk, v = qkv.split([cfg.d_model + attn.kv_width, attn.kv_width], dim=-1)
         qk = torch.view_as_complex(qk.reshape(B, H + Hkv, hd // 2, 2)) * turn
-        q, k = torch.view_as_real(qk).view(B, 1, H + Hkv, hd).split([H, Hkv], dim=2)
-        cache.k[i, cache.rows, slot] = k[:, 0]
-        cache.v[i, cache.rows, slot] = v.view(B, Hkv, hd)
-        y = attn.attend(q.transpose(1, 2), keys[i].transpose(1, 2), values[i].transpose(1, 2),
-                        is_causal=False, attn_mask=seen)
-        x = x + y
-        x = x + block.mlp(block.norm2(x))
+        q, k = torch.view_as_real(qk).view(B, H + Hkv, hd).split([H, Hkv], dim=1)
+        cache.k[i][slot] = k
+        cache.v[i][slot] = v.view(B, Hkv, hd)
+        y = F.scaled_dot_product_attention(q[:, :, None], keys[i].transpose(1, 2), values[i].transpose(1, 2),
+                                           attn_mask=seen, enable_gqa=Hkv != H)
+        x = x + project(attn.out, y.view(B, cfg.d_model))
+        x = x + project(block.mlp[2], block.mlp[1](project(block.mlp[0], block.norm2(x))))
     cache.cache_seqlens += 1
-    return model.head(model.norm(x[:, -1]))
+    return project(model.head, model.norm(x))
 
 
 def cache_len(model, n_prompt, n_tokens):

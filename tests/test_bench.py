@@ -39,7 +39,8 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     assert report["memory"][0]["measured_bytes"] == 3 * 2**20
     assert len(report["prefill_clone"]) == 4 and all(set(r) == {"prompt", "n", "separate_ms", "clone_ms"}
                                                      for r in report["prefill_clone"])
-    assert all(set(r) == {"batch", "step_ms", "matmul_ms", "overhead_ratio"} for r in report["overhead"])
+    assert all(set(r) == {"batch", "step_ms", "matmul_ms", "overhead_ratio",
+                                                     "nn_linear_matmul_ms"} for r in report["overhead"])
     assert report["cuda"]["skipped"].startswith("skipped: needs a CUDA device")
     numbers = dict(positive_numbers({k: report[k] for k in ("decode", "memory", "prefill_clone", "overhead")}))
     assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers

@@ -14,6 +14,7 @@ from prefill_clone import (
     decode_step,
     generate_prealloc,
     prefill,
+    project,
     separate_prefills,
 )
 from sampling import pick
@@ -137,6 +138,17 @@ def test_a_stop_string_completes_a_row():
     text = tokenizer.decode(row[:4])
     stopped = Engine(model, tokenizer).generate_batch(PROMPT, 1, max_tokens=12, temperature=0, stop=text[-2:])[0][0]
     assert len(stopped) <= 4 and tokenizer.decode(stopped).endswith(text[-2:])
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_project_computes_what_the_layer_computes(rows, bias):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 96, bias=bias)
+    x = torch.randn(rows, 64)
+    got = project(layer, x)
+    assert got.shape == (rows, 96)
+    torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("known_pos", [True, False], ids=["sliced reads", "masked reads (graph-safe)"])

@@ -146,11 +146,16 @@ def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def encode_prompt(tokenizer, text, device):
+def encode_prompt(tokenizer, text, model):
+    """The prompt's ids (1, T) on the model's device, each one an id the model knows."""
     ids = tokenizer.encode(text)
     if not ids:
         raise ValueError("the prompt is empty; give at least one character")
-    return torch.tensor([ids], device=device)
+    vocab = model.cfg.vocab_size
+    if max(ids) >= vocab:
+        raise ValueError(f"the tokenizer gave id {max(ids)}, but the model's vocabulary is 0..{vocab - 1}; "
+                         "give the tokenizer this checkpoint was trained with (--tokenizer)")
+    return torch.tensor([ids], device=model.emb.weight.device)
 
 
 def with_progress(model, idx, n_tokens, label):
@@ -208,7 +213,7 @@ def main():
         broken_attention(args.broken)
     check_count("--tokens", args.tokens)
     model = load(args.checkpoint, args.device)
-    prompt = encode_prompt(BPE.load(args.tokenizer), args.prompt, model.emb.weight.device)
+    prompt = encode_prompt(BPE.load(args.tokenizer), args.prompt, model)
     print(f"{args.checkpoint}, prompt {args.prompt!r} ({prompt.shape[1]} tokens), greedy, {args.device}")
     if args.broken is None:
         prove(model, prompt, args.tokens)

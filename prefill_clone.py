@@ -210,6 +210,11 @@ class Engine:
         device = self.model.emb.weight.device
         return [torch.Generator(device).manual_seed(s) for s in seeds], settings
 
+    def _check_id(self, token, what):
+        vocab = self.model.cfg.vocab_size
+        if not isinstance(token, int) or not 0 <= token < vocab:
+            raise ValueError(f"{what} {token!r} is outside the vocabulary 0..{vocab - 1}")
+
     def _stop_rule(self, stop):
         stops = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
         ids = {s for s in stops if isinstance(s, int)}
@@ -242,6 +247,8 @@ class Engine:
         """
         if not tokens:
             raise ValueError("the prompt is empty; give at least one token")
+        for token in tokens:
+            self._check_id(token, "prompt token")
         if max_tokens is not None:
             check_count("max_tokens", max_tokens)
         generators, settings = self._row_settings(num_samples, seed, knobs)
@@ -257,13 +264,15 @@ class Engine:
         while max_tokens is None or n < max_tokens:
             sampled = self.sample(logits, history, generators, settings)[:, 0].tolist()
             column, masks = [], []
-            for row, token in zip(self.rows, sampled):
+            for i, (row, token) in enumerate(zip(self.rows, sampled)):
                 if row.completed:
                     column.append(None)
                     masks.append(None)
                     continue
                 is_forced = bool(row.forced_tokens)
-                token = row.forced_tokens.popleft() if is_forced else token
+                if is_forced:
+                    token = row.forced_tokens.popleft()
+                    self._check_id(token, f"forced token for row {i}:")
                 row.tokens.append(token)
                 row.completed = stops_at(row, token)
                 column.append(token)
@@ -349,7 +358,7 @@ def main():
     check_knobs(temperature=args.temperature, top_p=args.top_p)
     model = load(args.checkpoint, args.device)
     tokenizer = BPE.load(args.tokenizer)
-    tokens = encode_prompt(tokenizer, args.prompt, "cpu")[0].tolist()
+    tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
     engine = Engine(model, tokenizer)
     knobs = dict(temperature=args.temperature, top_p=args.top_p)
 

@@ -43,7 +43,7 @@ def main():
     check_count("--tokens", args.tokens)
     model = load(args.checkpoint, args.device)
     tokenizer = BPE.load(args.tokenizer)
-    tokens = encode_prompt(tokenizer, args.prompt, "cpu")[0].tolist()
+    tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
     for name, row in grid(model, tokens, args.tokens, args.seed).items():
         print(f"=== {name}")
         print(tokenizer.decode(tokens + row).strip())

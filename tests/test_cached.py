@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cached import CachedGPT, LayerCache, drift, load, rope_at
-from model import GPT, Config, rope
+from model import GPT, Config, rope, save_checkpoint
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 
@@ -110,3 +110,15 @@ def test_bad_counts_and_names_are_refused(random_model):
     assert run.returncode != 0 and "prompt is empty" in run.stderr
     run = subprocess.run([sys.executable, "cached.py", "--device", "tpu"], capture_output=True, text=True)
     assert run.returncode != 0 and "unknown device 'tpu'" in run.stderr
+
+
+@pytest.mark.parametrize("script", ["cached.py", "sample_grid.py", "prefill_clone.py"])
+def test_a_tokenizer_larger_than_the_model_is_named(script, tmp_path, random_model):
+    checkpoint = tmp_path / "small.pt"
+    save_checkpoint(random_model, checkpoint, step=0)
+    run = subprocess.run([sys.executable, script, str(checkpoint), *(["--prompt"] if script == "cached.py" else []),
+                          "Sherlock Holmes"], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert run.stderr.strip().startswith(f"{script}: error: the tokenizer gave id ")
+    assert run.stderr.strip().endswith("but the model's vocabulary is 0..511; "
+                                       "give the tokenizer this checkpoint was trained with (--tokenizer)")

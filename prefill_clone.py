@@ -3,7 +3,8 @@
 The cache here is preallocated once, shaped like nanochat's KVCache
 (n_layers, batch, max_len, n_kv_heads, head_dim); each decode step writes
 its keys and values in place at slot position % max_len, so past the
-context window it is a ring that holds exactly the last `context` positions.
+context window it is a ring that holds exactly the last `context` positions,
+and multiplies its few rows by each weight matrix as W @ rows.T (project).
 Engine.generate runs one batch-1 prefill (cached.py's), clones it into a
 batch-N cache and lets every row sample on its own: its own first token (not
 one broadcast to all rows, as in nanochat), its own seeded generator, its own

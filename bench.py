@@ -160,9 +160,8 @@ def table_overhead(model, device, sizes, runs, out):
         token, cache = decode_fixture(model, batch, device)
         ctx, steps = model.cfg.context, sizes["steps"]
         step = measure(lambda: [decode_step(model, token, cache, ctx) for _ in range(steps)], runs, device)[0]
-        mm, linear = (measure(lambda: [floor() for _ in range(steps)], runs, device)[0]
-                      for floor in (matmuls_only(model, batch, ctx, device, product)
-                                    for product in (project, as_nn_linear)))
+        floors = [matmuls_only(model, batch, ctx, device, product) for product in (project, as_nn_linear)]
+        mm, linear = (measure(lambda: [floor() for _ in range(steps)], runs, device)[0] for floor in floors)
         step, mm, linear = step / steps, mm / steps, linear / steps
         out.append({"batch": batch, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "overhead_ratio": step / mm,
                     "nn_linear_matmul_ms": linear * 1e3})

@@ -220,10 +220,8 @@ class Engine:
         stops = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
         ids = {s for s in stops if isinstance(s, int)}
         texts = [s for s in stops if isinstance(s, str)]
-        vocab = self.model.cfg.vocab_size
         for s in ids:
-            if not 0 <= s < vocab:
-                raise ValueError(f"stop token id {s} is outside the vocabulary 0..{vocab - 1}")
+            self._check_id(s, "stop token id")
         if texts and self.tokenizer is None:
             raise ValueError("stop strings need Engine(model, tokenizer)")
 

@@ -79,6 +79,11 @@ def evaluate(model, splits, context, n_batches, device, autocast):
     return means
 
 
+def random_states(device):
+    """Where dropout draws from, and the resume file's key for each."""
+    return [(torch, "rng")] + ([(torch.cuda, "cuda_rng")] if device.type == "cuda" else [])
+
+
 def main():
     ap = Parser(description="Train the Part 3 GPT on a text corpus.")
     ap.add_argument("--corpus", required=True, help="UTF-8 text file")
@@ -125,6 +130,9 @@ def main():
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
+        for rng, key in random_states(device):
+            if key in state:  # dropout's draws; resume files from before they were kept go on without them
+                rng.set_rng_state(state[key].cpu())
         start, best_val, elapsed = state["step"], state["best_val"], state["elapsed"]
         print(f"resuming at step {start} (best val {best_val:.3f})", file=sys.stderr)
     else:
@@ -163,6 +171,7 @@ def main():
                 best_val = val_loss
                 save_checkpoint(model, f"{name}.pt", done)
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                        **{key: rng.get_rng_state() for rng, key in random_states(device)},
                         "step": done, "best_val": best_val, "elapsed": total_time}, f"{name}.resume.pt")
     print(f"best val loss {best_val:.3f}; checkpoint {name}.pt, log {name}.csv", file=sys.stderr)
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import train as train_module
 from model import load_checkpoint
 from train import lr_at
 
@@ -64,3 +65,35 @@ def test_missing_corpus_gets_a_one_line_error(tmp_path):
     assert run.returncode != 0
     corpus = tmp_path / "corpus.txt"
     assert run.stderr.strip() == f"train.py: error: corpus {corpus} not found; pass --corpus PATH to a UTF-8 text file"
+
+
+def test_a_run_cut_short_and_resumed_ends_exactly_where_an_uncut_run_ends(tmp_path, monkeypatch):
+    (tmp_path / "corpus.txt").write_text("The game is afoot, Watson! Come, the hansom waits. " * 400)
+    monkeypatch.chdir(tmp_path)
+    common = ["--corpus", "corpus.txt", "--tokenizer", os.path.join(ROOT, "tokenizer.json"),
+              "--steps", "2", "--eval-every", "1", "--eval-batches", "1"]
+
+    def run(out, *extra):
+        monkeypatch.setattr(sys, "argv", ["train.py", *common, "--out", out, *extra])
+        train_module.main()
+
+    run("uncut")
+    real_batch, calls = train_module.batch, []
+
+    def batch_then_cut(*args):
+        calls.append(1)
+        if len(calls) == 4:  # step 2's batch, after step 1's and its evaluation's two
+            raise KeyboardInterrupt
+        return real_batch(*args)
+    monkeypatch.setattr(train_module, "batch", batch_then_cut)
+    with pytest.raises(KeyboardInterrupt):
+        run("cut")
+    monkeypatch.setattr(train_module, "batch", real_batch)
+    assert torch.load("cut.resume.pt", weights_only=True)["step"] == 1
+    run("cut", "--resume")
+
+    def losses(name):
+        return [(r["step"], r["train_loss"], r["val_loss"]) for r in csv.DictReader(open(f"{name}.csv"))]
+    assert losses("cut") == losses("uncut") and len(losses("cut")) == 2
+    uncut, cut = (torch.load(f"{name}.pt", weights_only=True)["model"] for name in ("uncut", "cut"))
+    assert all(torch.equal(uncut[k], cut[k]) for k in uncut)

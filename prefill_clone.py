@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from bpe import BPE
 from cached import LayerCache, encode_prompt, load
 from model import Parser, check_count, rope_frequencies, run_cli
-from sampling import check_knobs, pick
+from sampling import check_knobs, draw
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
@@ -232,15 +232,15 @@ class Engine:
 
     def sample(self, logits, history, generators, settings):
         if all(s.get("temperature", 1.0) == 0 for s in settings) and all(s == settings[0] for s in settings):
-            return pick(logits, history=history, **settings[0])
-        return torch.cat([pick(logits[i:i + 1], history=history[i:i + 1], generator=g, **s)
+            return draw(logits, history=history, **settings[0])
+        return torch.cat([draw(logits[i:i + 1], history=history[i:i + 1], generator=g, **s)
                           for i, (g, s) in enumerate(zip(generators, settings))])
 
     @torch.inference_mode()
     def generate(self, tokens, num_samples=1, max_tokens=None, seed=42, stop=None, forced=None, **knobs):
         """Yield (token_column, token_masks) each step: mask 1 sampled, 0 forced, None once a row completed.
 
-        knobs are sampling.pick's, shared by all rows, or settings=[{...}, ...] one per row.
+        knobs are sampling.pick's, checked once here, shared by all rows or settings=[{...}, ...] one per row.
         forced=[[ids], ...] queues tokens a row takes before it samples; self.rows[i].forced_tokens
         can be appended to between steps.
         """
@@ -321,16 +321,17 @@ def sync(device):
 @torch.inference_mode()
 def timed_generation(model, prompt, n, n_tokens, first, seed=0, **knobs):
     """(time to first token, total time, tokens (n, n_tokens)) for one way of prefilling n rows."""
+    check_knobs(**knobs)
     device = prompt.device
     g = torch.Generator(device).manual_seed(seed)
     sync(device)
     t0 = time.perf_counter()
     logits, cache = first(model, prompt, n, cache_len(model, prompt.shape[1], n_tokens))
-    tokens = [pick(logits, generator=g, **knobs)]
+    tokens = [draw(logits, generator=g, **knobs)]
     sync(device)
     ttft = time.perf_counter() - t0
     for pos in range(prompt.shape[1], prompt.shape[1] + n_tokens - 1):
-        tokens.append(pick(decode_step(model, tokens[-1], cache, pos), generator=g, **knobs))
+        tokens.append(draw(decode_step(model, tokens[-1], cache, pos), generator=g, **knobs))
     sync(device)
     return ttft, time.perf_counter() - t0, torch.cat(tokens, dim=1)
 

@@ -29,12 +29,20 @@ def check_knobs(temperature=1.0, top_k=0, top_p=1.0, penalty=1.0):
 
 def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None, generator=None):
     check_knobs(temperature, top_k, top_p, penalty)
+    if history is not None:
+        vocab = logits.shape[-1]
+        history = torch.as_tensor(history, device=logits.device)
+        if history.numel() and (history.min() < 0 or history.max() >= vocab):
+            raise ValueError(f"history holds ids outside the vocabulary 0..{vocab - 1}")
+    return draw(logits, temperature, top_k, top_p, penalty, history, generator)
+
+
+def draw(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None, generator=None):
+    """pick without its checks, for the loops that checked the knobs once, before the first token."""
     logits = logits.float().reshape(-1, logits.shape[-1])
     vocab = logits.shape[-1]
     if history is not None:
         history = torch.as_tensor(history, device=logits.device).reshape(logits.shape[0], -1)
-        if history.numel() and (history.min() < 0 or history.max() >= vocab):
-            raise ValueError(f"history holds ids outside the vocabulary 0..{vocab - 1}")
     if history is not None and penalty != 1.0:
         seen = logits.gather(1, history)
         logits = logits.scatter(1, history, torch.where(seen > 0, seen / penalty, seen * penalty))
@@ -56,7 +64,7 @@ def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None,
 def picker(generator=None, **knobs):
     """A pick(logits, idx) for the generate loops, the tokens so far as history."""
     check_knobs(**knobs)
-    return lambda logits, idx: pick(logits, history=idx, generator=generator, **knobs)
+    return lambda logits, idx: draw(logits, history=idx, generator=generator, **knobs)
 
 
 def self_check():

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from sampling import pick, picker
+from sampling import draw, pick, picker
 
 G = torch.Generator
 
@@ -85,3 +85,13 @@ def test_picker_checks_knobs_up_front_and_uses_the_tokens_so_far_as_history():
         picker(temperature=-1)
     greedy_penalised = picker(temperature=0, penalty=2.0)
     assert greedy_penalised(torch.tensor([[2.0, 1.5]]), torch.tensor([[0]])).item() == 1
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=0, penalty=1.3), dict(temperature=0.8, top_k=40, top_p=0.9),
+                                   dict(temperature=1.2, penalty=1.3)])
+def test_draw_is_pick_without_the_checks(knobs):
+    scores = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    history = torch.randint(100, (4, 12), generator=torch.Generator().manual_seed(1))
+    picked = pick(scores, history=history, generator=torch.Generator().manual_seed(2), **knobs)
+    drawn = draw(scores, history=history, generator=torch.Generator().manual_seed(2), **knobs)
+    assert torch.equal(picked, drawn)

@@ -7,4 +7,5 @@ FROM pytorch/pytorch:2.14.1-cuda13.2-cudnn9-runtime
 WORKDIR /app
 RUN pip install --no-cache-dir --break-system-packages regex==2026.9.29 numpy==2.4.6 pytest==9.0.3
 COPY . .
-CMD ["sh", "-c", "python model.py && python sampling.py && python cached.py"]
+# The self-checks, cached.py on the GPU when torch sees one.
+CMD ["sh", "-c", "python model.py && python sampling.py && python cached.py --device \"$(python -c 'import torch; print(\"cuda\" if torch.cuda.is_available() else \"cpu\")')\""]

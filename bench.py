@@ -9,13 +9,15 @@ as a share of the median). Rows print as they are measured:
 1. Cache memory measured from the tensors against the formula.
 2. Time to first token: N separate prefills against one prefill plus a copy.
 3. Where the time goes: a decode step's matrix multiplies alone against the
-   whole step; the ratio is the overhead above the matmul floor.
+   whole step, each with the weights on the left and as nn.Linear runs them.
 4. The post's table: tok/s with no cache (Part 3's loop), cached.py's cache,
-   and the preallocated cache of prefill_clone.py, at batch 1 and 16.
+   and prefill_clone's Engine (preallocated ring cache), as it runs by default
+   and with the Linear layers' weights on the left (model.weights_left).
 5. CUDA only: kernels per decode step, the share of the step the GPU is busy,
-   and a CUDA-graph decode (one captured step, replayed) at batch 1 and 16.
+   and the Engine with each decode step a CUDA-graph replay, at batch 1 and 16.
 """
 import json
+import os
 import platform
 import sys
 import time
@@ -23,22 +25,16 @@ import time
 import torch
 
 from cached import CachedGPT
-from model import Config, Parser, device_from, greedy, run_cli
-from prefill_clone import (
-    KVCache,
-    cloned_prefill,
-    decode_step,
-    generate_prealloc,
-    median,
-    prefill,
-    project,
-    separate_prefills,
-    sync,
-    timed_generation,
-)
+from model import Config, Parser, check_new_file, device_from, run_cli, weights_left
+from prefill_clone import Engine, KVCache, cloned_prefill, prefill, separate_prefills, sync, timed_generation
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50)
 QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), steps=5)
+ENGINES = {"engine": False, "engine_weights_left": True}  # column: Engine's weights_left
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
 
 
 def measure(fn, runs, device, warmup=None, label=""):
@@ -73,30 +69,36 @@ def machine(device):
 
 def table_decode(model, device, sizes, runs, out):
     print("\n4. decode speed, the post's table: tok/s = batch x tokens / seconds (median, ± half range)")
-    print(f"{'batch':>5} {'tokens':>6} {'no cache':>16} {'cached.py':>16} {'preallocated':>16} "
-          f"{'cache/none':>10} {'prealloc/cached':>15}")
+    print("   Engine: prefill_clone's default (nn.Linear's matmul order); Engine, left: weights_left=True")
+    print(f"{'batch':>5} {'tokens':>6} {'no cache':>14} {'cached.py':>14} {'Engine':>14} {'Engine, left':>14} "
+          f"{'cache/none':>10} {'Engine/cached':>13} {'left/cached':>11}")
     gen = torch.Generator().manual_seed(0)
     for batch in sizes["batches"]:
-        idx = torch.randint(model.cfg.vocab_size, (batch, 8), generator=gen).to(device)
+        prompt = torch.randint(model.cfg.vocab_size, (1, 8), generator=gen)
+        idx = prompt.expand(batch, -1).to(device)
+        ways = {"no_cache": model.generate_uncached, "cached": model.generate_cached}
+        for name, on in ENGINES.items():
+            engine = Engine(model, weights_left=on)
+            ways[name] = lambda i, k, engine=engine: engine.generate_batch(prompt[0].tolist(), batch, max_tokens=k,
+                                                                             temperature=0)
         for n in sizes["lengths"]:
             row = {"batch": batch, "tokens": n}
-            for name, fn in (("no_cache", model.generate_uncached), ("cached", model.generate_cached),
-                             ("prealloc", lambda i, k, p: generate_prealloc(model, i, k, p))):
-                t, spread = measure(lambda: fn(idx, n, greedy), runs, device, warmup=lambda: fn(idx, 8, greedy),
+            for name, fn in ways.items():
+                t, spread = measure(lambda: fn(idx, n), runs, device, warmup=lambda: fn(idx, 8),
                                     label=f"batch {batch}, {n} tokens, {name}:")
                 row[name] = batch * n / t
                 row[name + "_spread"] = spread
             out.append(row)
-            cells = " ".join(f"{row[k]:>9,.0f} ±{row[k + '_spread']:>4.0%}"
-                             for k in ("no_cache", "cached", "prealloc"))
-            ratios = f"{row['cached'] / row['no_cache']:>9.1f}x {row['prealloc'] / row['cached']:>14.2f}x"
+            cells = " ".join(f"{row[k]:>7,.0f} ±{row[k + '_spread']:>4.0%}" for k in ways)
+            ratios = (f"{row['cached'] / row['no_cache']:>9.1f}x {row['engine'] / row['cached']:>12.2f}x "
+                      f"{row['engine_weights_left'] / row['cached']:>10.2f}x")
             print(f"{batch:>5} {n:>6} {cells} {ratios}", flush=True)
 
 
 def table_memory(device, out):
     print("\n1. cache memory at 256 tokens, batch 1, fp32: 2 (k, v) x layers x tokens x kv width x 4 bytes")
     for name, cfg in (("Part 3 (4 heads)", Config()), ("GQA (4 q heads, 1 kv head)", Config(n_kv_heads=1))):
-        cache = KVCache(1, cfg.n_layers, 256, cfg.n_kv_heads, cfg.head_dim, torch.float32, device)
+        cache = KVCache(1, cfg.n_layers, 256, cfg.n_kv_heads, cfg.head_dim, device=device)
         formula = 2 * cfg.n_layers * 256 * cfg.n_kv_heads * cfg.head_dim * 4
         out.append({"config": name, "measured_bytes": cache.nbytes(), "formula_bytes": formula})
         print(f"  {name:<28} measured {cache.nbytes() / 2**20:.2f} MiB, formula {formula / 2**20:.2f} MiB")
@@ -107,9 +109,10 @@ def table_prefill(model, device, sizes, runs, out):
     print(f"{'prompt':>6} {'N':>3} {'separate':>10} {'clone':>10} {'speedup':>8}")
     gen = torch.Generator().manual_seed(1)
     for n_prompt in sizes["prompts"]:
-        prompt = torch.randint(model.cfg.vocab_size, (1, n_prompt), generator=gen).to(device)
+        prompt = torch.randint(model.cfg.vocab_size, (n_prompt,), generator=gen).tolist()
         for n in sizes["clones"]:
-            sep, clone = (measure(lambda: timed_generation(model, prompt, n, 1, first, temperature=0), runs, device)[0]
+            sep, clone = (measure(lambda: timed_generation(Engine(model, prefill=first), prompt, n, 1, temperature=0),
+                                  runs, device)[0]
                           for first in (separate_prefills, cloned_prefill))
             out.append({"prompt": n_prompt, "n": n, "separate_ms": sep * 1e3, "clone_ms": clone * 1e3})
             print(f"{n_prompt:>6} {n:>3} {sep * 1e3:>10.1f} {clone * 1e3:>10.1f} {sep / clone:>7.1f}x", flush=True)
@@ -123,11 +126,11 @@ def decode_fixture(model, batch, device):
     return idx[:, -1:], cache
 
 
-def matmuls_only(model, batch, ctx, device, product):
-    """The decode step's matrix multiplies, same weights and batch, nothing else; product(layer, rows)."""
+def matmuls_only(model, batch, ctx, device):
+    """The decode step's matrix multiplies through the model's own Linear layers, nothing else."""
     cfg = model.cfg
-    x = torch.randn(batch, cfg.d_model, device=device)
-    h = torch.randn(batch, 4 * cfg.d_model, device=device)
+    x = torch.randn(batch, 1, cfg.d_model, device=device)
+    h = torch.randn(batch, 1, 4 * cfg.d_model, device=device)
     q = torch.randn(batch, cfg.n_heads, 1, cfg.head_dim, device=device)
     keys = torch.randn(batch, cfg.n_heads, cfg.head_dim, ctx, device=device)
     scores = torch.randn(batch, cfg.n_heads, 1, ctx, device=device)
@@ -135,86 +138,36 @@ def matmuls_only(model, batch, ctx, device, product):
 
     def run():
         for block in model.blocks:
-            product(block.attn.qkv, x)
+            block.attn.qkv(x)
             q @ keys
             scores @ values
-            product(block.attn.out, x)
-            product(block.mlp[0], x)
-            product(block.mlp[2], h)
-        return product(model.head, x)
+            block.attn.out(x)
+            block.mlp[0](x)
+            block.mlp[2](h)
+        return model.head(x[:, -1])
     return run
-
-
-def as_nn_linear(layer, rows):
-    return layer(rows)
 
 
 @torch.inference_mode()
 def table_overhead(model, device, sizes, runs, out):
     print(f"\n3. where the time goes: one decode step at a full {model.cfg.context}-position cache "
           f"(ms, median of {sizes['steps']} steps)")
-    print("   matmuls: the step's matrix multiplies alone, in decode_step's order (project: W @ rows.T)")
-    print("   and in nn.Linear's (rows @ W.T, what cached.py runs)")
-    print(f"{'batch':>5} {'whole step':>11} {'matmuls':>9} {'step/matmuls':>13} {'nn.Linear matmuls':>18}")
+    print("   the whole step, and its matrix multiplies alone, with the weights on the left (W @ rows.T)")
+    print("   and as nn.Linear runs them (rows @ W.T, what cached.py runs)")
+    print(f"{'batch':>5} {'step, left':>11} {'step, nn':>9} {'matmuls, left':>14} {'matmuls, nn':>12}")
     for batch in sizes["batches"]:
         token, cache = decode_fixture(model, batch, device)
         ctx, steps = model.cfg.context, sizes["steps"]
-        step = measure(lambda: [decode_step(model, token, cache, ctx) for _ in range(steps)], runs, device)[0]
-        floors = [matmuls_only(model, batch, ctx, device, product) for product in (project, as_nn_linear)]
-        mm, linear = (measure(lambda: [floor() for _ in range(steps)], runs, device)[0] for floor in floors)
-        step, mm, linear = step / steps, mm / steps, linear / steps
-        out.append({"batch": batch, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "overhead_ratio": step / mm,
-                    "nn_linear_matmul_ms": linear * 1e3})
-        print(f"{batch:>5} {step * 1e3:>11.3f} {mm * 1e3:>9.3f} {step / mm:>12.1f}x {linear * 1e3:>18.3f}", flush=True)
-
-
-class GraphedDecode:
-    """One greedy decode step, captured once as a CUDA graph and replayed.
-
-    Static input and output buffers; the cache is written in place and its
-    positions live on the device, so a replay needs no Python-side state.
-    With capture=False the same buffers run eagerly (how the CPU tests it).
-    """
-
-    def __init__(self, model, cache, first_token, capture=True):
-        self.model, self.cache = model, cache
-        self.token = first_token.clone()
-        self.graph = None
-        if capture:
-            saved = (cache.k.clone(), cache.v.clone(), cache.cache_seqlens.clone())
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self._step()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.next_token = self._step()
-            for live, kept in zip((cache.k, cache.v, cache.cache_seqlens), saved):
-                live.copy_(kept)
-
-    def _step(self):
-        return decode_step(self.model, self.token, self.cache).argmax(dim=-1, keepdim=True)
-
-    def __call__(self):
-        """Feed the current token, return the next (a view of the static output: clone to keep)."""
-        if self.graph is None:
-            self.next_token = self._step()
-        else:
-            self.graph.replay()
-        self.token.copy_(self.next_token)
-        return self.next_token
-
-
-@torch.inference_mode()
-def generate_graphed(model, idx, n_tokens, capture=True):
-    """generate_prealloc's greedy output, each decode step a graph replay."""
-    logits, cache = prefill(model, idx, min(model.cfg.context, idx.shape[1] + n_tokens))
-    first = logits.argmax(dim=-1, keepdim=True)
-    step = GraphedDecode(model, cache, first, capture)
-    out = [first] + [step().clone() for _ in range(n_tokens - 1)]
-    return torch.cat((idx, *out), dim=1)
+        floor = matmuls_only(model, batch, ctx, device)
+        row = {"batch": batch}
+        for name, on in (("left", True), ("nn_linear", False)):
+            with weights_left(on):
+                step = measure(lambda: [model.step(token, cache, ctx) for _ in range(steps)], runs, device)[0]
+                mm = measure(lambda: [floor() for _ in range(steps)], runs, device)[0]
+            row[f"step_ms_{name}"], row[f"matmul_ms_{name}"] = step / steps * 1e3, mm / steps * 1e3
+        out.append(row)
+        print(f"{batch:>5} {row['step_ms_left']:>11.3f} {row['step_ms_nn_linear']:>9.3f} "
+              f"{row['matmul_ms_left']:>14.3f} {row['matmul_ms_nn_linear']:>12.3f}", flush=True)
 
 
 @torch.inference_mode()
@@ -227,13 +180,13 @@ def table_cuda(model, device, sizes, runs, out):
         return
     from torch.profiler import ProfilerActivity, profile
     token, cache = decode_fixture(model, 1, device)
-    n = 20
-    decode_step(model, token, cache)
+    n, ctx = 20, model.cfg.context
+    model.step(token, cache, ctx)
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(n):
-            decode_step(model, token, cache)
+            model.step(token, cache, ctx)
         sync(device)
         wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -242,16 +195,15 @@ def table_cuda(model, device, sizes, runs, out):
                 "profiled_step_ms": wall / n * 1e3})
     print(f"  batch 1: {len(kernels) / n:.0f} kernels per step, "
           f"GPU busy {busy / wall:.0%} of a {wall / n * 1e3:.2f} ms step (profiled)")
-    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(3)).tolist()
     n_tokens = sizes["lengths"][-1]
     out["graph"] = []
     for batch in sizes["batches"]:
-        idx = torch.randint(model.cfg.vocab_size, (batch, 8), generator=gen).to(device)
-        eager = generate_prealloc(model, idx, n_tokens, greedy)
-        graphed = generate_graphed(model, idx, n_tokens)
-        same = torch.equal(eager, graphed)
-        t_eager = measure(lambda: generate_prealloc(model, idx, n_tokens, greedy), runs, device)[0]
-        t_graph = measure(lambda: generate_graphed(model, idx, n_tokens), runs, device)[0]
+        eager, graphed = Engine(model), Engine(model, cuda_graph=True)
+        runs_of = {e: lambda e=e: e.generate_batch(prompt, batch, max_tokens=n_tokens, temperature=0)[0]
+                   for e in (eager, graphed)}
+        same = runs_of[eager]() == runs_of[graphed]()
+        t_eager, t_graph = (measure(runs_of[e], runs, device)[0] for e in (eager, graphed))
         row = {"batch": batch, "tokens": n_tokens, "eager_tok_s": batch * n_tokens / t_eager,
                "graph_tok_s": batch * n_tokens / t_graph, "same_tokens": same}
         out["graph"].append(row)
@@ -268,6 +220,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     ap.add_argument("--json", metavar="PATH", help="write every figure here")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per figure (at least 3)")
+    ap.add_argument("--force", action="store_true", help="replace an existing --json file")
     args = ap.parse_args()
     device = device_from(args.device)
     if args.threads is not None:
@@ -276,6 +229,8 @@ def main():
         torch.set_num_threads(args.threads)
     if args.runs < 3:
         raise ValueError(f"--runs must be at least 3 (figures are medians), got {args.runs}")
+    if args.json:
+        check_new_file(args.json, args.force)
     sizes = QUICK if args.quick else FULL
 
     torch.manual_seed(0)
@@ -291,8 +246,9 @@ def main():
     table_decode(model, device, sizes, args.runs, report["decode"])
     table_cuda(model, device, sizes, args.runs, report["cuda"])
     if args.json:
-        with open(args.json, "w") as f:
+        with open(f"{args.json}.tmp", "w") as f:
             json.dump(report, f, indent=1)
+        os.replace(f"{args.json}.tmp", args.json)
         print(f"\nwrote {args.json}")
 
 

@@ -5,11 +5,16 @@ every later step feeds one token at its true position and attends to the
 kept keys. Two details make it exact: RoPE starts at the token's position
 (rope_at), and the causal mask applies only when more than one query is fed
 (with one query, SDPA's top-left-aligned mask would hide all keys but the first).
+The forward asks a cache object where the new keys go and what to read:
+LayerCache here (concatenate, keep the last `context`), KVCache in
+prefill_clone.py (preallocated, a ring past the window).
 
     python cached.py [CHECKPOINT] [--prompt TEXT] [--tokens 600]
 
-generates greedily with and without the cache, asserts the tokens agree inside
-the context window and reports where they first part past it.
+generates greedily with and without the cache, asserts the tokens agree as far
+as the uncached loop sees the whole text (context - prompt + 1 tokens), and
+reports where they first part past it, and where the post's order (attend to
+context + 1 keys, then trim) first parts from this repo's (trim, then attend).
 
     python cached.py --break rope     # RoPE without the offset
     python cached.py --break mask     # is_causal=True on one-query steps
@@ -18,74 +23,74 @@ reproduce the two bugs and report after how many of 100 tokens each drifts.
 """
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
 from bpe import BPE
-from model import (
-    GPT,
-    Block,
-    Parser,
-    RoPEAttention,
-    check_count,
-    greedy,
-    load_checkpoint,
-    rope_cos_sin,
-    rotate,
-    run_cli,
-)
+from model import GPT, Block, Parser, RoPEAttention, check_count, greedy, load_checkpoint, rope_at, run_cli
 
 
-def rope_at(x, start):
-    """RoPE for x (..., T, head_dim) whose first row sits at position `start`."""
-    positions = torch.arange(start, start + x.shape[-2], device=x.device)
-    return rotate(x, *rope_cos_sin(positions, x.shape[-1]))
-
-
-@dataclass
 class LayerCache:
-    """One layer's keys and values, (B, n_kv_heads, T, head_dim), T <= context."""
-    k: torch.Tensor = None
-    v: torch.Tensor = None
+    """One layer's rolling cache: the last `context` keys and values, (B, n_kv_heads, T, head_dim)."""
+
+    def __init__(self, context):
+        self.context, self.k, self.v = context, None, None
+
+    def joined(self, k, v):
+        """The kept keys and values with the new ones after them."""
+        if self.k is None:
+            return k, v
+        if k.shape[2] > 1:
+            raise ValueError("after the prefill, feed one token per step")
+        return torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+
+    def update(self, k, v, start):
+        """Keep the new keys and values; return what attention reads, and no mask."""
+        k, v = self.joined(k, v)
+        # Trim before attending, so no step sees more than `context` keys: that is what training
+        # saw and what prefill_clone's ring holds (the post attends to context + 1, then trims).
+        self.k, self.v = k[:, :, -self.context:], v[:, :, -self.context:]
+        return self.k, self.v, None
+
+
+class TrimAfter(LayerCache):
+    """The post's order: attend to the kept keys plus the new one (context + 1), then trim."""
+
+    def update(self, k, v, start):
+        k, v = self.joined(k, v)
+        self.k, self.v = k[:, :, -self.context:], v[:, :, -self.context:]
+        return k, v, None
 
 
 class CachedAttention(RoPEAttention):
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.context = cfg.context
-
-    def rope(self, x, start):
-        return rope_at(x, start)
-
-    def causal(self, n_queries):
-        return n_queries > 1
-
     def forward(self, x, cache=None, start=0):
+        """With no cache this is Part 3's attention, so model(idx) still works."""
+        T = x.shape[1]
         q, k, v = self.heads(x)
-        q, k = self.rope(q, start), self.rope(k, start)
+        # Gotcha 1: rotate the new tokens at their true positions; from 0, each new token would
+        # look like the start of the text, and its distance to every cached key would be wrong.
+        q, k = rope_at(q, start), rope_at(k, start)
+        mask = None
         if cache is not None:
-            if cache.k is not None:
-                if x.shape[1] > 1:
-                    raise ValueError("after the prefill, feed one token per step")
-                k, v = torch.cat((cache.k, k), dim=2), torch.cat((cache.v, v), dim=2)
-            cache.k, cache.v = k[:, :, -self.context:], v[:, :, -self.context:]
-            k, v = cache.k, cache.v
-        return self.attend(q, k, v, is_causal=self.causal(q.shape[2]))
+            # The cache decides where the new keys go and what this step reads.
+            k, v, mask = cache.update(k, v, start)
+        # Gotcha 2: SDPA's causal mask is aligned top-left; with one query it would hide every
+        # key but the first, so mask only the prompt's many queries.
+        return self.attend(q, k, v, is_causal=T > 1, attn_mask=mask)
 
 
 class RopeFromZero(CachedAttention):
-    """Gotcha 1: every step's token is rotated as if it sat at position 0."""
+    """Gotcha 1 on purpose: the attention forgets the offset, every token is rotated as if it came first."""
 
-    def rope(self, x, start):
-        return rope_at(x, 0)
+    def forward(self, x, cache=None, start=0):
+        return super().forward(x, cache, 0)
 
 
 class AlwaysCausal(CachedAttention):
-    """Gotcha 2: with one query, is_causal=True lets it see only the first key."""
+    """Gotcha 2 on purpose: is_causal=True even for one query, which then sees only the first key."""
 
-    def causal(self, n_queries):
-        return True
+    def attend(self, q, k, v, is_causal, attn_mask=None):
+        return super().attend(q, k, v, True, attn_mask)
 
 
 BROKEN = {"rope": RopeFromZero, "mask": AlwaysCausal}
@@ -94,33 +99,36 @@ BROKEN = {"rope": RopeFromZero, "mask": AlwaysCausal}
 class CachedBlock(Block):
     attention = CachedAttention
 
-    def forward(self, x, cache=None, start=0):
-        x = x + self.attn(self.norm1(x), cache, start)
-        return x + self.mlp(self.norm2(x))
-
 
 class CachedGPT(GPT):
-    block = CachedBlock
+    block = CachedBlock  # same parameter names, so Part 3 checkpoints load
     generate_uncached = GPT.generate
 
     def step(self, idx, caches, start):
-        """Run only the new tokens idx (B, T) at positions start.., return last-position logits."""
+        """Run only the new tokens idx (B, T) at positions start..; return the last position's logits (B, vocab).
+
+        caches: one cache per layer (LayerCache objects, or a prefill_clone.KVCache)."""
         x = self.emb(idx)
         for block, cache in zip(self.blocks, caches):
-            x = block(x, cache, start)
+            x = x + block.attn(block.norm1(x), cache, start)
+            x = x + block.mlp(block.norm2(x))
         return self.head(self.norm(x[:, -1]))
 
     @torch.no_grad()
-    def generate_cached(self, idx, n_tokens, pick=greedy):
-        """Prefill the last `context` prompt tokens at once, then one token a step."""
+    def generate_cached(self, idx, n_tokens, pick=greedy, cache=LayerCache):
+        """Prefill the last `context` prompt tokens in one pass, then feed one token a step."""
         check_count("n_tokens", n_tokens)
-        caches = [LayerCache() for _ in self.blocks]
-        window = idx[:, -self.cfg.context:]
-        logits, pos = self.step(window, caches, 0), window.shape[1]
-        for _ in range(n_tokens):
-            token = pick(logits, idx)
-            idx = torch.cat((idx, token), dim=1)
-            logits, pos = self.step(token, caches, pos), pos + 1
+        caches = [cache(self.cfg.context) for _ in self.blocks]
+        prompt = idx[:, -self.cfg.context:]
+        if n_tokens:
+            logits = self.step(prompt, caches, 0)  # prefill: the whole prompt in one pass
+        pos = prompt.shape[1]
+        for i in range(n_tokens):
+            nxt = pick(logits, idx)[:, None]
+            idx = torch.cat([idx, nxt], dim=1)
+            if i + 1 < n_tokens:  # the last token needs no step: nothing reads its logits
+                logits = self.step(nxt, caches, pos)
+                pos += 1
         return idx
 
 
@@ -146,49 +154,69 @@ def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def exact_tokens(context, n_prompt):
+    """How many generated tokens the cache must reproduce exactly: while the uncached loop still
+    sees the whole text (prompt + tokens so far <= context), both compute the same thing."""
+    return context - min(n_prompt, context) + 1
+
+
+def load_pair(checkpoint, tokenizer_path, device="cpu"):
+    """The model and its tokenizer, refusing a pair whose vocabularies differ in size."""
+    model, tokenizer = load(checkpoint, device), BPE.load(tokenizer_path)
+    if tokenizer.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but {checkpoint} a vocabulary of "
+                         f"{model.cfg.vocab_size}; give the tokenizer this checkpoint was trained with (--tokenizer)")
+    return model, tokenizer
+
+
 def encode_prompt(tokenizer, text, model):
-    """The prompt's ids (1, T) on the model's device, each one an id the model knows."""
+    """The prompt's ids (1, T) on the model's device."""
     ids = tokenizer.encode(text)
     if not ids:
         raise ValueError("the prompt is empty; give at least one character")
-    vocab = model.cfg.vocab_size
-    if max(ids) >= vocab:
-        raise ValueError(f"the tokenizer gave id {max(ids)}, but the model's vocabulary is 0..{vocab - 1}; "
-                         "give the tokenizer this checkpoint was trained with (--tokenizer)")
     return torch.tensor([ids], device=model.emb.weight.device)
 
 
-def with_progress(model, idx, n_tokens, label):
-    """Part 3's uncached loop, one token at a time, with a progress line on stderr."""
-    t0 = time.time()
-    for i in range(n_tokens):
-        idx = model.generate_uncached(idx, 1)
-        done = i + 1
+def with_progress(pick, n_tokens, label):
+    """pick, printing a progress line with an ETA on stderr each time a token is picked."""
+    t0, done = time.time(), 0
+
+    def counted(logits, idx):
+        nonlocal done
+        done += 1
         eta = (time.time() - t0) / done * (n_tokens - done)
-        print(f"\r{label}: {done}/{n_tokens} tokens, ETA {eta:.0f}s ", end="", file=sys.stderr)
-    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
-    return idx
+        end = "\r" + " " * 60 + "\r" if done == n_tokens else ""
+        print(f"\r{label}: {done}/{n_tokens} tokens, ETA {eta:.0f}s ", end=end, file=sys.stderr, flush=True)
+        return pick(logits, idx)
+    return counted
+
+
+def timed(generate, prompt, n_tokens, label):
+    t0 = time.time()
+    tokens = generate(prompt, n_tokens, with_progress(greedy, n_tokens, label))[0].tolist()
+    seconds = time.time() - t0
+    print(f"{label + ':':<10}{n_tokens} tokens in {seconds:5.1f}s ({n_tokens / seconds:,.0f} tok/s)")
+    return tokens
 
 
 def prove(model, prompt, n_tokens):
-    ctx, n_prompt = model.cfg.context, prompt.shape[1]
-    t0 = time.time()
-    cached = model.generate_cached(prompt, n_tokens)[0].tolist()
-    t_cached = time.time() - t0
-    t0 = time.time()
-    uncached = with_progress(model, prompt, n_tokens, "uncached")[0].tolist()
-    t_uncached = time.time() - t0
-    print(f"cached:   {n_tokens} tokens in {t_cached:5.1f}s ({n_tokens / t_cached:,.0f} tok/s)")
-    print(f"uncached: {n_tokens} tokens in {t_uncached:5.1f}s ({n_tokens / t_uncached:,.0f} tok/s)")
-    inside = min(n_tokens, ctx - n_prompt)
+    n_prompt = prompt.shape[1]
+    cached = timed(model.generate_cached, prompt, n_tokens, "cached")
+    uncached = timed(model.generate_uncached, prompt, n_tokens, "uncached")
+    exact = min(n_tokens, exact_tokens(model.cfg.context, n_prompt))
     diff = first_difference(cached, uncached)
-    if diff is not None and diff < n_prompt + inside:
-        sys.exit(f"cached.py: FAILED: cached and uncached differ inside the window, at position {diff}")
-    print(f"inside the window: the first {inside} generated tokens are identical")
+    if diff is not None and diff < n_prompt + exact:
+        sys.exit(f"cached.py: FAILED: cached and uncached differ at position {diff}, "
+                 f"inside the first {exact} generated tokens")
+    print(f"the first {exact} generated tokens are identical (the uncached loop sees the whole text that far)")
     if diff is None:
-        print(f"past the window: no difference in all {len(cached)} positions")
+        print(f"after that: no difference in all {len(cached)} positions")
     else:
-        print(f"past the window: first difference at position {diff} of {len(cached)}")
+        print(f"after that: first difference at position {diff} of {len(cached)}")
+    post = model.generate_cached(prompt, n_tokens, cache=TrimAfter)[0].tolist()
+    diff = first_difference(cached, post)
+    where = "never, in" if diff is None else f"at position {diff} of"
+    print(f"the post's order (attend to context + 1 keys, then trim) parts from trim-first {where} {len(cached)}")
 
 
 def drift(model, prompt, name, n_tokens=100):
@@ -212,8 +240,8 @@ def main():
     if args.broken is not None:
         broken_attention(args.broken)
     check_count("--tokens", args.tokens)
-    model = load(args.checkpoint, args.device)
-    prompt = encode_prompt(BPE.load(args.tokenizer), args.prompt, model)
+    model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
+    prompt = encode_prompt(tokenizer, args.prompt, model)
     print(f"{args.checkpoint}, prompt {args.prompt!r} ({prompt.shape[1]} tokens), greedy, {args.device}")
     if args.broken is None:
         prove(model, prompt, args.tokens)

@@ -10,10 +10,13 @@ prints the parameter budget and checks that the untrained loss is close to
 ln(vocab_size), as it must be for a model that has learnt nothing yet.
 """
 import argparse
+import functools
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, fields
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -44,28 +47,61 @@ class Config:
         return self.d_model // self.n_heads
 
 
-def rope_frequencies(head_dim, device=None):
-    """inv[j] = 10000^(-2j / head_dim), in float32."""
-    return 10000 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+def rope_at(x, start):
+    """RoPE for x (B, heads, T, head_dim) whose first row sits at position `start`.
+
+    Channel pair (2j, 2j+1) is one complex number, turned by angle t * 10000^(-2j / head_dim)
+    for position t, in float32. `start` is an int, or one start per row (a (B,) tensor) when
+    rows sit at different positions, as in a CUDA-graph decode step. Part 3 uses start=0.
+    """
+    T, hd = x.shape[-2], x.shape[-1]
+    if isinstance(start, int):
+        turns = rope_table(start, T, hd, x.device)
+    else:
+        turns = rotations(start.view(-1, 1) + torch.arange(T, device=x.device), hd)[:, None]
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * turns).flatten(-2).type_as(x)
 
 
-def rope_cos_sin(positions, head_dim):
-    """cos and sin of angle[t, j] = t * inv[j]."""
-    angle = positions.float()[:, None] * rope_frequencies(head_dim, positions.device)[None, :]
-    return angle.cos(), angle.sin()
+def rotations(positions, head_dim):
+    """e^(i angle) for angle[..., t, j] = positions[..., t] * 10000^(-2j / head_dim), complex64."""
+    inv = 10000 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions[..., None].float() * inv
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def rotate(x, cos, sin):
-    """Rotate the interleaved channel pairs (2j, 2j+1) of x (..., T, head_dim)."""
-    x0, x1 = x.float()[..., 0::2], x.float()[..., 1::2]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+@functools.lru_cache(maxsize=8)
+def rope_table(start, T, head_dim, device):
+    """rotations() for positions start..start+T-1, kept: the 2 x n_layers calls of one step share it."""
+    with torch.inference_mode(False):  # a plain tensor, so training can use it after generation made it
+        return rotations(torch.arange(start, start + T, device=device), head_dim)
 
 
-def rope(x):
-    """RoPE with positions 0..T-1, the only positions Part 3 ever uses."""
-    T = x.shape[-2]
-    return rotate(x, *rope_cos_sin(torch.arange(T, device=x.device), x.shape[-1]))
+class Linear(nn.Linear):
+    """nn.Linear, with one switchable speed trick for the few rows of a decode step.
+
+    With Linear.weights_left on (see weights_left()), an input of 2 to 32 rows is multiplied
+    as W @ rows.T instead of rows @ W.T: the same product, in the order that MKL ran faster
+    on the CPU this repo was measured on (bench.py table 3 times both orders on yours).
+    """
+    weights_left = False
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        if not (Linear.weights_left and 1 < rows.shape[0] <= 32):
+            return super().forward(x)
+        out = self.weight @ rows.T if self.bias is None else torch.addmm(self.bias[:, None], self.weight, rows.T)
+        return out.T.contiguous().view(*x.shape[:-1], -1)
+
+
+@contextmanager
+def weights_left(on=True):
+    """Run the model's Linear layers with the weights on the left (on) or as nn.Linear (off)."""
+    before, Linear.weights_left = Linear.weights_left, on
+    try:
+        yield
+    finally:
+        Linear.weights_left = before
 
 
 class RoPEAttention(nn.Module):
@@ -73,8 +109,8 @@ class RoPEAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.kv_width = cfg.n_kv_heads * cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * self.kv_width, bias=False)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.qkv = Linear(cfg.d_model, cfg.d_model + 2 * self.kv_width, bias=False)
+        self.out = Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
 
     def heads(self, x):
@@ -97,7 +133,7 @@ class RoPEAttention(nn.Module):
 
     def forward(self, x):
         q, k, v = self.heads(x)
-        return self.attend(rope(q), rope(k), v, is_causal=True)
+        return self.attend(rope_at(q, 0), rope_at(k, 0), v, is_causal=True)
 
 
 class Block(nn.Module):
@@ -109,7 +145,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(d)
         self.attn = self.attention(cfg)
         self.norm2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(cfg.dropout))
+        self.mlp = nn.Sequential(Linear(d, 4 * d), nn.GELU(), Linear(4 * d, d), nn.Dropout(cfg.dropout))
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -117,8 +153,8 @@ class Block(nn.Module):
 
 
 def greedy(logits, idx):
-    """The pick that always takes the highest score."""
-    return logits.argmax(dim=-1, keepdim=True)
+    """The pick that always takes the highest score: one id per row, (B,)."""
+    return logits.argmax(dim=-1)
 
 
 class GPT(nn.Module):
@@ -130,7 +166,7 @@ class GPT(nn.Module):
         self.emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(self.block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.emb.weight
         self.apply(self._init)
         for name, p in self.named_parameters():
@@ -162,7 +198,7 @@ class GPT(nn.Module):
         check_count("n_tokens", n_tokens)
         for _ in range(n_tokens):
             logits, _ = self(idx[:, -self.cfg.context:])
-            idx = torch.cat((idx, pick(logits[:, -1], idx)), dim=1)
+            idx = torch.cat((idx, pick(logits[:, -1], idx)[:, None]), dim=1)
         return idx
 
 
@@ -185,10 +221,15 @@ def device_from(name):
 def read_checkpoint(path):
     """The checkpoint's dict, loaded as data (weights_only), or a one-line error."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's pickle-protocol warning would break the one-line error
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {path} not found; pass a Part 3 .pt file or train one") from None
     except Exception as e:
+        if "Weights only load failed" in str(e):
+            raise ValueError(f"{path} is not a plain-tensor checkpoint: it is not a torch.save file, or it holds "
+                             "code or objects that are not plain tensors and must not be loaded") from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{path} is not a loadable checkpoint ({first_line})") from None
     if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict) and isinstance(ckpt.get("config"), dict)):
@@ -196,11 +237,21 @@ def read_checkpoint(path):
     return ckpt
 
 
+PART3_FIELDS = ("vocab_size", "d_model", "n_heads", "n_layers", "context", "dropout")
+
+
 def config_from(d, path="checkpoint"):
-    known = {f.name for f in fields(Config)}
-    unknown = sorted(set(d) - known)
+    """A Config from a checkpoint's config dict, each field checked by name."""
+    known = [f.name for f in fields(Config)]
+    unknown = sorted(set(d) - set(known))
     if unknown:
-        raise ValueError(f"{path}: unknown config field {unknown[0]!r}; known fields are {sorted(known)}")
+        raise ValueError(f"{path}: unknown config field {unknown[0]!r}; known fields are {known}")
+    for name, value in d.items():
+        if name == "dropout":
+            if type(value) not in (int, float) or not 0 <= value < 1:
+                raise ValueError(f"{path}: config dropout is {value!r}; expected a number in [0, 1)")
+        elif type(value) is not int or value < (0 if name == "n_kv_heads" else 1):
+            raise ValueError(f"{path}: config {name} is {value!r}; expected a whole number >= 1")
     return Config(**d)
 
 
@@ -213,11 +264,16 @@ def load_checkpoint(path, device="cpu", cls=GPT):
     for key, tensor in expected.items():
         if key not in given:
             raise ValueError(f"{path}: weight {key!r} is missing; is this a Part 3 checkpoint?")
+        if not isinstance(given[key], torch.Tensor):
+            raise ValueError(f"{path}: weight {key!r} is a {type(given[key]).__name__}, not a tensor")
         if tuple(given[key].shape) != tuple(tensor.shape):
             raise ValueError(
                 f"{path}: weight {key!r} has shape {tuple(given[key].shape)} "
                 f"but the config needs {tuple(tensor.shape)}"
             )
+        if not given[key].is_floating_point() or not torch.isfinite(given[key]).all():
+            raise ValueError(f"{path}: weight {key!r} holds NaN, infinite or non-float values; "
+                             "this checkpoint cannot give meaningful output")
     extra = sorted(set(given) - set(expected))
     if extra:
         raise ValueError(f"{path}: unexpected weight {extra[0]!r}; is this a Part 3 checkpoint?")
@@ -225,8 +281,18 @@ def load_checkpoint(path, device="cpu", cls=GPT):
     return model.to(device).eval()
 
 
+def part3_config(cfg):
+    """The config dict a checkpoint holds: Part 3's six fields, n_kv_heads only when it is not n_heads,
+    so Part 3's own loader (Config(**ckpt["config"]) on a six-field dataclass) reads what this repo writes."""
+    d = {name: getattr(cfg, name) for name in PART3_FIELDS}
+    return d | ({"n_kv_heads": cfg.n_kv_heads} if cfg.n_kv_heads != cfg.n_heads else {})
+
+
 def save_checkpoint(model, path, step):
-    torch.save({"model": model.state_dict(), "config": asdict(model.cfg), "step": step}, path)
+    """Part 3's checkpoint format, written to a temporary file and renamed, so a cut run leaves no half file."""
+    tmp = f"{path}.tmp"
+    torch.save({"model": model.state_dict(), "config": part3_config(model.cfg), "step": step}, tmp)
+    os.replace(tmp, path)
 
 
 class Parser(argparse.ArgumentParser):
@@ -236,12 +302,23 @@ class Parser(argparse.ArgumentParser):
         sys.exit(f"{self.prog}: error: {message} (see --help)")
 
 
+def check_new_file(path, force, flag="--force"):
+    """Before any long work: refuse to replace `path` unless told, or to write into a missing folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {path}: the folder {folder} does not exist")
+    if os.path.exists(path) and not force:
+        raise ValueError(f"{path} already exists; pass {flag} to replace it")
+
+
 def run_cli(main):
     """Run a script's main; bad input becomes one line on stderr and exit status 1."""
     try:
         main()
     except (ValueError, OSError) as e:
         sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
+    except MemoryError:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: out of memory; ask for fewer rows or tokens")
 
 
 def main():

@@ -1,54 +1,62 @@
 """nanochat's trick: prefill the prompt once at batch 1, copy it into N rows.
 
-The cache here is preallocated once, shaped like nanochat's KVCache
-(n_layers, batch, max_len, n_kv_heads, head_dim); each decode step writes
-its keys and values in place at slot position % max_len, so past the
-context window it is a ring that holds exactly the last `context` positions,
-and multiplies its few rows by each weight matrix as W @ rows.T (project).
-Engine.generate runs one batch-1 prefill (cached.py's), clones it into a
-batch-N cache and lets every row sample on its own: its own first token (not
-one broadcast to all rows, as in nanochat), its own seeded generator, its own
-knobs, forced tokens and stop conditions.
+KVCache is the second cache behind cached.py's one forward: preallocated once,
+shaped like nanochat's (n_layers, batch, max_len, n_kv_heads, head_dim), each
+step's keys written in place at slot position % max_len, so past the context
+window it is a ring holding exactly the last `context` positions. Engine runs
+one batch-1 prefill, clones it into a batch-N cache and lets every row decode
+on its own: its own first token (not one broadcast to all rows, as in
+nanochat), its own seeded generator, knobs, forced tokens and stop rule.
 
     python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0
 
-prints N samples, then time to first token and total time for the clone
-path against N separate prefills of the same prompt, measured side by side.
+prints N samples, then time to first token and total time of the clone path
+against N separate prefills of the same prompt, measured side by side.
 """
+import operator
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from bpe import BPE
-from cached import LayerCache, encode_prompt, load
-from model import Parser, check_count, rope_frequencies, run_cli
-from sampling import check_knobs, draw
+from cached import encode_prompt, load_pair
+from model import Parser, check_count, run_cli, weights_left
+from sampling import check_history, check_knobs, draw
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
                   "under any other name.")
 
 
+def check_fits(nbytes, what, device):
+    """Refuse, before allocating, what would take more than half of this machine's memory."""
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if torch.device(device).type == "cpu" and nbytes > have // 2:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than half of this machine's "
+                         f"{have / 2**30:.1f} GiB; ask for fewer rows or tokens")
+
+
 class KVCache:
-    def __init__(self, batch, n_layers, max_len, n_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
-        # nanochat's shape, (n_layers, batch, max_len, n_kv_heads, head_dim), as a view of
-        # head-major storage: each head's keys are then one contiguous block, which is what
-        # attention reads every step (2x faster at batch 16 on a CPU than position-major).
+    def __init__(self, batch, n_layers, max_len, n_kv_heads, head_dim, context=None, dtype=torch.float32,
+                 device="cpu"):
+        check_fits(2 * n_layers * batch * max_len * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8,
+                   f"a cache of {batch} rows x {max_len} positions", device)
+        # nanochat's shape as a view of head-major storage: each head's keys are then one
+        # contiguous block, which is what attention reads every step (2x faster at batch 16 on a CPU).
         storage = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(storage, dtype=dtype, device=device).transpose(2, 3)
         self.v = torch.zeros(storage, dtype=dtype, device=device).transpose(2, 3)
         self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.context = context or max_len
         self.rows = torch.arange(batch, device=device)
         self.slots = torch.arange(max_len, device=device)
-        self.inv_freq = rope_frequencies(head_dim, device)
 
     @classmethod
     def for_model(cls, model, batch, max_len):
         cfg, w = model.cfg, model.emb.weight
-        return cls(batch, cfg.n_layers, max_len, cfg.n_kv_heads, cfg.head_dim, w.dtype, w.device)
+        return cls(batch, cfg.n_layers, max_len, cfg.n_kv_heads, cfg.head_dim, cfg.context, w.dtype, w.device)
 
     @property
     def shape(self):
@@ -63,15 +71,40 @@ class KVCache:
     def nbytes(self):
         return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()
 
-    def write_prompt(self, layer_caches):
-        """Copy the keys and values a cached.py prefill left, (B, H, T, hd) per layer."""
-        T = layer_caches[0].k.shape[2]
-        if T > self.shape["max_len"]:
-            raise ValueError(f"a prompt of {T} tokens is longer than the cache ({self.shape['max_len']} positions)")
-        for i, c in enumerate(layer_caches):
-            self.k[i, :, :T] = c.k.transpose(1, 2)
-            self.v[i, :, :T] = c.v.transpose(1, 2)
-        self.cache_seqlens.fill_(T)
+    def __iter__(self):
+        """One cache per layer, what CachedGPT.step zips with its blocks."""
+        return (LayerView(self, i) for i in range(self.k.shape[0]))
+
+    def insert_kv(self, layer, k, v, start):
+        """Write k, v (B, n_kv_heads, T, head_dim) at slot position % max_len; return what attention reads.
+
+        start an int: the prompt (T tokens into an empty cache) or one step for all rows; attention
+        reads the slots written so far, unmasked (a ring's slot order does not matter: RoPE has
+        already placed each key). start a (B,) tensor: one step, each row at its own position,
+        nothing read on the host (what a CUDA graph needs); attention reads every slot and a mask
+        hides the unwritten ones.
+        """
+        keys, values = self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)  # (B, H, max_len, hd)
+        B, T, L = k.shape[0], k.shape[2], keys.shape[2]
+        mask = None
+        if not isinstance(start, int):
+            slot = start % L
+            keys[self.rows, :, slot], values[self.rows, :, slot] = k[:, :, 0], v[:, :, 0]
+            mask = (self.slots <= start.view(B, 1)).view(B, 1, 1, L)
+        elif T > 1:
+            if start != 0 or T > L:
+                raise ValueError(f"a prompt of {T} tokens at position {start} does not fit a cache of {L} positions")
+            keys[:, :, :T], values[:, :, :T] = k, v
+            keys, values = keys[:, :, :T], values[:, :, :T]
+        else:
+            if start >= L and L < self.context:
+                raise ValueError(f"position {start} is past this cache's {L} positions, and a ring shorter "
+                                 f"than the context ({self.context}) would drop keys the model still sees")
+            keys[:, :, start % L], values[:, :, start % L] = k[:, :, 0], v[:, :, 0]
+            keys, values = keys[:, :, :start + 1], values[:, :, :start + 1]
+        if layer == self.k.shape[0] - 1:
+            self.cache_seqlens += T
+        return keys, values, mask
 
     def prefill(self, other):
         """Copy a batch-1 (or same-batch) cache into every row of this empty one."""
@@ -91,69 +124,14 @@ class KVCache:
         self.cache_seqlens.fill_(pos)
 
 
-@torch.inference_mode()
-def prefill(model, idx, max_len):
-    """Run the prompt idx (B, T) once with cached.py and move its keys into a new KVCache."""
-    layer_caches = [LayerCache() for _ in model.blocks]
-    logits = model.step(idx, layer_caches, 0)
-    cache = KVCache.for_model(model, idx.shape[0], max_len)
-    cache.write_prompt(layer_caches)
-    return logits, cache
+@dataclass
+class LayerView:
+    """Layer `layer` of a KVCache, with the update(k, v, start) that CachedAttention calls."""
+    cache: KVCache
+    layer: int
 
-
-def project(layer, rows):
-    """layer(rows) for the few rows (B, in) of a decode step, as W @ rows.T; returns (B, out).
-
-    The same product as nn.Linear's rows @ W.T, in the order MKL runs fastest on the CPU
-    measured in the README (an AMD EPYC): the weights on the left. A lone row on the CPU goes
-    in as two copies of itself: there MKL's one-column kernel (gemv) is far slower than its
-    two-column one (gemm), though both read the weights once. bench.py's table 3 times these
-    matmuls against nn.Linear's.
-    """
-    w, b = layer.weight, layer.bias
-    lone_on_cpu = rows.shape[0] == 1 and rows.is_cpu
-    cols = (torch.cat((rows, rows)) if lone_on_cpu else rows).T
-    out = w @ cols if b is None else torch.addmm(b[:, None], w, cols)
-    return out[:, :rows.shape[0]].T
-
-
-@torch.inference_mode()
-def decode_step(model, token, cache, pos=None):
-    """Feed one token per row (B, 1) at each row's position; write k, v in place; return logits (B, vocab).
-
-    pos: the position being fed, the same for every row, when the caller knows it; attention then
-    reads just the slots written so far, unmasked. With pos=None nothing here reads a Python-side
-    position (what a CUDA graph needs): each row's position comes from cache_seqlens on the device,
-    and attention reads every slot and masks the unwritten ones.
-    """
-    cfg = model.cfg
-    B, H, Hkv, hd, L = token.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cache.slots.shape[0]
-    if pos is None:
-        at = cache.cache_seqlens.long().view(B, 1, 1)
-        slot = (cache.rows, at.view(B) % L)
-        keys, values = cache.k, cache.v
-        seen = (cache.slots <= at).view(B, 1, 1, L)
-    else:
-        at, slot = pos, (slice(None), pos % L)
-        keys, values, seen = cache.k[:, :, :pos + 1], cache.v[:, :, :pos + 1], None
-    # RoPE as one complex multiply per layer: pair (2j, 2j+1) is x[2j] + i x[2j+1], turned by angle
-    angle = at * cache.inv_freq
-    turn = torch.complex(angle.cos(), angle.sin())
-    x = model.emb(token[:, 0])
-    for i, block in enumerate(model.blocks):
-        attn = block.attn
-        qkv = project(attn.qkv, block.norm1(x)).contiguous()  # view_as_complex needs unit stride
-        qk, v = qkv.split([cfg.d_model + attn.kv_width, attn.kv_width], dim=-1)
-        qk = torch.view_as_complex(qk.reshape(B, H + Hkv, hd // 2, 2)) * turn
-        q, k = torch.view_as_real(qk).view(B, H + Hkv, hd).split([H, Hkv], dim=1)
-        cache.k[i][slot] = k
-        cache.v[i][slot] = v.view(B, Hkv, hd)
-        y = F.scaled_dot_product_attention(q[:, :, None], keys[i].transpose(1, 2), values[i].transpose(1, 2),
-                                           attn_mask=seen, enable_gqa=Hkv != H)
-        x = x + project(attn.out, y.view(B, cfg.d_model))
-        x = x + project(block.mlp[2], block.mlp[1](project(block.mlp[0], block.norm2(x))))
-    cache.cache_seqlens += 1
-    return project(model.head, model.norm(x))
+    def update(self, k, v, start):
+        return self.cache.insert_kv(self.layer, k, v, start)
 
 
 def cache_len(model, n_prompt, n_tokens):
@@ -165,134 +143,10 @@ def cache_len(model, n_prompt, n_tokens):
 
 
 @torch.inference_mode()
-def generate_prealloc(model, idx, n_tokens, pick):
-    """generate_cached's contract on the preallocated cache: idx (B, T) in, idx plus n_tokens out."""
-    check_count("n_tokens", n_tokens)
-    window = idx[:, -model.cfg.context:]
-    logits, cache = prefill(model, window, cache_len(model, window.shape[1], n_tokens))
-    out = torch.empty(idx.shape[0], idx.shape[1] + n_tokens, dtype=idx.dtype, device=idx.device)
-    out[:, :idx.shape[1]] = idx
-    pos = window.shape[1]
-    for t in range(idx.shape[1], out.shape[1]):
-        out[:, t:t + 1] = pick(logits, out[:, :t])
-        logits, pos = decode_step(model, out[:, t:t + 1], cache, pos), pos + 1
-    return out
-
-
-@dataclass
-class RowState:
-    tokens: list
-    n_prompt: int
-    forced_tokens: deque = field(default_factory=deque)
-    completed: bool = False
-
-
-class Engine:
-    def __init__(self, model, tokenizer=None):
-        self.model, self.tokenizer = model, tokenizer
-        self.rows = []
-
-    def _row_settings(self, num_samples, seed, knobs):
-        if not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a whole number >= 1, got {num_samples!r}")
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(num_samples)]
-        settings = knobs.pop("settings", None)
-        if settings is not None and knobs:
-            raise ValueError(f"give the knobs either shared ({sorted(knobs)}) or per row in settings, not both")
-        settings = [knobs] * num_samples if settings is None else list(settings)
-        for name, got in (("seed", seeds), ("settings", settings)):
-            if len(got) != num_samples:
-                raise ValueError(f"{name} is a list of {len(got)}, but num_samples is {num_samples}")
-        for s in settings:
-            unknown = sorted(set(s) - set(KNOBS))
-            if unknown:
-                raise ValueError(f"unknown sampling knob {unknown[0]!r}; the knobs are {KNOBS}")
-            check_knobs(**s)
-        device = self.model.emb.weight.device
-        return [torch.Generator(device).manual_seed(s) for s in seeds], settings
-
-    def _check_id(self, token, what):
-        vocab = self.model.cfg.vocab_size
-        if not isinstance(token, int) or not 0 <= token < vocab:
-            raise ValueError(f"{what} {token!r} is outside the vocabulary 0..{vocab - 1}")
-
-    def _stop_rule(self, stop):
-        stops = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
-        ids = {s for s in stops if isinstance(s, int)}
-        texts = [s for s in stops if isinstance(s, str)]
-        for s in ids:
-            self._check_id(s, "stop token id")
-        if texts and self.tokenizer is None:
-            raise ValueError("stop strings need Engine(model, tokenizer)")
-
-        def stops_at(row, token):
-            new = row.tokens[row.n_prompt:]
-            return token in ids or any(t in self.tokenizer.decode(new[-16:]) for t in texts)
-        return stops_at
-
-    def sample(self, logits, history, generators, settings):
-        if all(s.get("temperature", 1.0) == 0 for s in settings) and all(s == settings[0] for s in settings):
-            return draw(logits, history=history, **settings[0])
-        return torch.cat([draw(logits[i:i + 1], history=history[i:i + 1], generator=g, **s)
-                          for i, (g, s) in enumerate(zip(generators, settings))])
-
-    @torch.inference_mode()
-    def generate(self, tokens, num_samples=1, max_tokens=None, seed=42, stop=None, forced=None, **knobs):
-        """Yield (token_column, token_masks) each step: mask 1 sampled, 0 forced, None once a row completed.
-
-        knobs are sampling.pick's, checked once here, shared by all rows or settings=[{...}, ...] one per row.
-        forced=[[ids], ...] queues tokens a row takes before it samples; self.rows[i].forced_tokens
-        can be appended to between steps.
-        """
-        if not tokens:
-            raise ValueError("the prompt is empty; give at least one token")
-        for token in tokens:
-            self._check_id(token, "prompt token")
-        if max_tokens is not None:
-            check_count("max_tokens", max_tokens)
-        generators, settings = self._row_settings(num_samples, seed, knobs)
-        stops_at = self._stop_rule(stop)
-        self.rows = [RowState(list(tokens), len(tokens), deque(f)) for f in (forced or [[]] * num_samples)]
-        if len(self.rows) != num_samples:
-            raise ValueError(f"forced is a list of {len(self.rows)}, but num_samples is {num_samples}")
-        device = self.model.emb.weight.device
-        prompt = torch.tensor([tokens], device=device)
-        logits, cache = cloned_prefill(self.model, prompt, num_samples, cache_len(self.model, len(tokens), max_tokens))
-        history = prompt.expand(num_samples, -1)
-        n = 0
-        while max_tokens is None or n < max_tokens:
-            sampled = self.sample(logits, history, generators, settings)[:, 0].tolist()
-            column, masks = [], []
-            for i, (row, token) in enumerate(zip(self.rows, sampled)):
-                if row.completed:
-                    column.append(None)
-                    masks.append(None)
-                    continue
-                is_forced = bool(row.forced_tokens)
-                if is_forced:
-                    token = row.forced_tokens.popleft()
-                    self._check_id(token, f"forced token for row {i}:")
-                row.tokens.append(token)
-                row.completed = stops_at(row, token)
-                column.append(token)
-                masks.append(0 if is_forced else 1)
-            yield column, masks
-            n += 1
-            if all(row.completed for row in self.rows):
-                return
-            feed = torch.tensor([[row.tokens[-1]] for row in self.rows], device=device)
-            history = torch.cat((history, feed), dim=1)
-            logits = decode_step(self.model, feed, cache, len(tokens) + n - 1)
-
-    def generate_batch(self, tokens, num_samples=1, **kwargs):
-        """Run generate to the end; return each row's new tokens and their masks."""
-        results, masks = [[] for _ in range(num_samples)], [[] for _ in range(num_samples)]
-        for column, column_masks in self.generate(tokens, num_samples, **kwargs):
-            for i, (token, mask) in enumerate(zip(column, column_masks)):
-                if token is not None:
-                    results[i].append(token)
-                    masks[i].append(mask)
-        return results, masks
+def prefill(model, idx, max_len):
+    """Run the prompt idx (B, T) once into a new KVCache of max_len positions; return its logits and the cache."""
+    cache = KVCache.for_model(model, idx.shape[0], max_len)
+    return model.step(idx, cache, 0), cache
 
 
 def cloned_prefill(model, prompt, n, max_len):
@@ -304,13 +158,207 @@ def cloned_prefill(model, prompt, n, max_len):
 
 
 def separate_prefills(model, prompt, n, max_len):
-    """The naive path: each of the n rows runs its own prefill of the same prompt."""
+    """The naive path, for comparison: each of the n rows runs its own prefill of the same prompt."""
     cache = KVCache.for_model(model, n, max_len)
+    T = prompt.shape[1]
     for i in range(n):
-        logits, one = prefill(model, prompt, prompt.shape[1])
-        cache.k[:, i, :prompt.shape[1]], cache.v[:, i, :prompt.shape[1]] = one.k[:, 0], one.v[:, 0]
-    cache.cache_seqlens.fill_(prompt.shape[1])
+        logits, one = prefill(model, prompt, T)
+        cache.k[:, i, :T], cache.v[:, i, :T] = one.k[:, 0], one.v[:, 0]
+    cache.cache_seqlens.fill_(T)
     return logits.expand(n, -1), cache
+
+
+class GraphedStep:
+    """model.step for one token per row, captured once as a CUDA graph and replayed.
+
+    Static token and logits buffers; each row's position is read from cache_seqlens on the
+    device and the cache is written in place, so a replay needs no Python-side state.
+    With capture=False the same buffers and the same graph-safe forward run eagerly
+    (how the CPU tests it).
+    """
+
+    def __init__(self, model, cache, capture):
+        self.model, self.cache = model, cache
+        self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
+        self.graph = None
+        if capture:
+            saved = (cache.k.clone(), cache.v.clone(), cache.cache_seqlens.clone())
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):  # warm-up runs, which capture requires, on a side stream
+                    self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._step()
+            for live, kept in zip((cache.k, cache.v, cache.cache_seqlens), saved):
+                live.copy_(kept)
+
+    def _step(self):
+        return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
+
+    def __call__(self, token, pos):
+        """Feed token (B, 1); pos is unused (the positions live on the device). Returns logits (B, vocab)."""
+        self.token.copy_(token)
+        if self.graph is None:
+            return self._step()
+        self.graph.replay()
+        return self.logits
+
+
+@dataclass
+class RowState:
+    tokens: list
+    n_prompt: int
+    forced_tokens: deque = field(default_factory=deque)
+    completed: bool = False
+
+
+def as_id(token, what, limit, within="the vocabulary"):
+    """An integer-like (int, numpy or 0-d tensor integer; not a bool) in 0..limit-1, as an int."""
+    try:
+        if isinstance(token, bool):
+            raise TypeError
+        token = operator.index(token)
+    except TypeError:
+        raise ValueError(f"{what} {token!r} is not an integer id") from None
+    if not 0 <= token < limit:
+        raise ValueError(f"{what} {token!r} is outside {within} 0..{limit - 1}")
+    return token
+
+
+class Engine:
+    """Generate N rows from one prompt: one prefill (cloned by default), then one decode step per token.
+
+    weights_left: run the decode steps' Linear layers as W @ rows.T (model.weights_left), off by
+    default: faster or slower depending on the CPU's BLAS and the batch (bench.py times both). cuda_graph: replay each decode step as a CUDA graph (on a CPU the
+    same graph-safe step runs eagerly). prefill: how the N rows get the prompt (cloned_prefill or
+    separate_prefills).
+    """
+
+    def __init__(self, model, tokenizer=None, weights_left=False, cuda_graph=False, prefill=cloned_prefill):
+        self.model, self.tokenizer = model, tokenizer
+        self.weights_left, self.cuda_graph, self.prefill = weights_left, cuda_graph, prefill
+        self.rows, self.busy = [], False
+
+    def _row_settings(self, num_samples, seed, knobs):
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * num_samples
+        settings = knobs.pop("settings", None)
+        if settings is not None and knobs:
+            raise ValueError(f"give the knobs either shared ({sorted(knobs)}) or per row in settings, not both")
+        settings = [knobs] * num_samples if settings is None else list(settings)
+        for name, got in (("seed", seeds), ("settings", settings)):
+            if len(got) != num_samples:
+                raise ValueError(f"{name} is a list of {len(got)}, but num_samples is {num_samples}")
+        for s in settings:
+            unknown = sorted(set(s) - set(KNOBS)) if isinstance(s, dict) else ["settings must be dicts"]
+            if unknown:
+                raise ValueError(f"unknown sampling knob {unknown[0]!r}; the knobs are {KNOBS}")
+            check_knobs(**s)
+        seeds = [as_id(s, "seed", 2**64, "the seeds") + (0 if isinstance(seed, (list, tuple)) else i) for i, s in enumerate(seeds)]
+        if max(seeds) >= 2**64:
+            raise ValueError(f"seed + row must stay below 2**64, got {max(seeds)}")
+        device = self.model.emb.weight.device
+        return [torch.Generator(device).manual_seed(s) for s in seeds], settings
+
+    def _stop_rule(self, stop):
+        stops = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
+        texts = [s for s in stops if isinstance(s, str)]
+        ids = {as_id(s, "stop token id", self.model.cfg.vocab_size) for s in stops if not isinstance(s, str)}
+        if texts and self.tokenizer is None:
+            raise ValueError("stop strings need Engine(model, tokenizer)")
+
+        def stops_at(row, token):
+            new = row.tokens[row.n_prompt:]
+            return token in ids or any(t in self.tokenizer.decode(new[-16:]) for t in texts)
+        return stops_at
+
+    def sample(self, logits, history, generators, settings):
+        """One token per row (B,): each row draws with its own knobs and generator."""
+        if all(s.get("temperature", 1.0) == 0 for s in settings) and all(s == settings[0] for s in settings):
+            return draw(logits, history=history, **settings[0])
+        return torch.cat([draw(logits[i:i + 1], history=history[i:i + 1], generator=g, **s)
+                          for i, (g, s) in enumerate(zip(generators, settings))])
+
+    def generate(self, tokens, num_samples=1, max_tokens=None, seed=42, stop=None, forced=None, **knobs):
+        """Yield (token_column, token_masks) each step: mask 1 sampled, 0 forced, None once a row completed.
+
+        knobs are sampling.pick's, checked once here, shared by all rows or settings=[{...}, ...] one
+        per row. Row i draws from a generator seeded seed + i (or seed[i]). forced=[[ids], ...] queues
+        tokens a row takes before it samples; self.rows[i].forced_tokens can be appended to between steps.
+        """
+        vocab = self.model.cfg.vocab_size
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
+            raise ValueError("the prompt must be a non-empty list of token ids")
+        tokens = [as_id(t, "prompt token", vocab) for t in tokens]
+        num_samples = as_id(num_samples, "num_samples", 2**63, "the counts")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be a whole number >= 1, got {num_samples}")
+        if max_tokens is not None:
+            check_count("max_tokens", max_tokens)
+        max_len, cfg = cache_len(self.model, len(tokens), max_tokens), self.model.cfg
+        check_fits(num_samples * (2 * cfg.n_layers * max_len * cfg.n_kv_heads * cfg.head_dim + 2 * cfg.vocab_size) * 4,
+                   f"{num_samples} rows of {max_len} positions", self.model.emb.weight.device)
+        generators, settings = self._row_settings(num_samples, seed, knobs)
+        stops_at = self._stop_rule(stop)
+        forced = [[]] * num_samples if forced is None else list(forced)
+        if len(forced) != num_samples:
+            raise ValueError(f"forced is a list of {len(forced)}, but num_samples is {num_samples}")
+        rows = [RowState(list(tokens), len(tokens), deque(as_id(t, f"forced token for row {i}:", vocab) for t in f))
+                for i, f in enumerate(forced)]
+        return self._run(rows, generators, settings, stops_at, max_tokens, max_len)
+
+    @torch.inference_mode()
+    def _run(self, rows, generators, settings, stops_at, max_tokens, max_len):
+        if self.busy:
+            raise ValueError("this Engine is already generating; finish or close that generator, or use another Engine")
+        self.busy, self.rows = True, rows
+        try:
+            device = self.model.emb.weight.device
+            prompt = torch.tensor([rows[0].tokens], device=device)
+            logits, cache = self.prefill(self.model, prompt, len(rows), max_len)
+            with weights_left(self.weights_left):
+                step = GraphedStep(self.model, cache, device.type == "cuda") if self.cuda_graph else \
+                    (lambda token, pos: self.model.step(token, cache, pos))
+            history = prompt.expand(len(rows), -1)
+            pos = prompt.shape[1]
+            for n in range(1, max_tokens + 1 if max_tokens is not None else 2**63):
+                sampled = self.sample(logits, history, generators, settings).tolist()
+                column, masks = [], []
+                for row, token in zip(rows, sampled):
+                    if row.completed:
+                        column.append(None)
+                        masks.append(None)
+                        continue
+                    is_forced = bool(row.forced_tokens)
+                    token = row.forced_tokens.popleft() if is_forced else token
+                    row.tokens.append(token)
+                    row.completed = stops_at(row, token)
+                    column.append(token)
+                    masks.append(0 if is_forced else 1)
+                yield column, masks
+                if n == max_tokens or all(row.completed for row in rows):
+                    return  # no step for the last token: nothing would read its logits
+                feed = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
+                history = torch.cat((history, feed), dim=1)
+                with weights_left(self.weights_left):  # on only inside the step, never across a yield
+                    logits = step(feed, pos)
+                pos += 1
+        finally:
+            self.busy = False
+
+    def generate_batch(self, tokens, num_samples=1, **kwargs):
+        """Run generate to the end; return each row's new tokens and their masks."""
+        steps = self.generate(tokens, num_samples, **kwargs)  # every input checked before the first step
+        n = operator.index(num_samples)
+        results, masks = [[] for _ in range(n)], [[] for _ in range(n)]
+        for column, column_masks in steps:
+            for i, (token, mask) in enumerate(zip(column, column_masks)):
+                if token is not None:
+                    results[i].append(token)
+                    masks[i].append(mask)
+        return results, masks
 
 
 def sync(device):
@@ -318,26 +366,18 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def timed_generation(model, prompt, n, n_tokens, first, seed=0, **knobs):
-    """(time to first token, total time, tokens (n, n_tokens)) for one way of prefilling n rows."""
-    check_knobs(**knobs)
-    device = prompt.device
-    g = torch.Generator(device).manual_seed(seed)
+def timed_generation(engine, tokens, n, n_tokens, **kwargs):
+    """(time to first token, total time, rows) for Engine.generate run to the end."""
+    device = engine.model.emb.weight.device
     sync(device)
     t0 = time.perf_counter()
-    logits, cache = first(model, prompt, n, cache_len(model, prompt.shape[1], n_tokens))
-    tokens = [draw(logits, generator=g, **knobs)]
+    rows, ttft = [[] for _ in range(n)], None
+    for column, _ in engine.generate(tokens, n, max_tokens=n_tokens, **kwargs):
+        ttft = ttft or time.perf_counter() - t0
+        for row, token in zip(rows, column):
+            row.append(token)
     sync(device)
-    ttft = time.perf_counter() - t0
-    for pos in range(prompt.shape[1], prompt.shape[1] + n_tokens - 1):
-        tokens.append(draw(decode_step(model, tokens[-1], cache, pos), generator=g, **knobs))
-    sync(device)
-    return ttft, time.perf_counter() - t0, torch.cat(tokens, dim=1)
-
-
-def median(xs):
-    return sorted(xs)[len(xs) // 2]
+    return ttft, time.perf_counter() - t0, rows
 
 
 def main():
@@ -354,32 +394,34 @@ def main():
     args = ap.parse_args()
     if args.n < 1:
         raise ValueError(f"-n must be at least 1, got {args.n}")
-    check_count("--tokens", args.tokens)
-    check_knobs(temperature=args.temperature, top_p=args.top_p)
-    model = load(args.checkpoint, args.device)
-    tokenizer = BPE.load(args.tokenizer)
-    tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
-    engine = Engine(model, tokenizer)
+    if not 0 <= args.seed < 2**64 - args.n:
+        raise ValueError(f"--seed must be in 0..{2**64 - 1 - args.n} (row i uses seed + i), got {args.seed}")
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be at least 1, got {args.tokens}")
     knobs = dict(temperature=args.temperature, top_p=args.top_p)
+    check_knobs(**knobs)
+    model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
+    tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
+    KVCache.for_model(model, args.n, cache_len(model, len(tokens), args.tokens))  # refuses a cache too big, early
 
-    rows, _ = engine.generate_batch(tokens, args.n, max_tokens=args.tokens, seed=args.seed, **knobs)
+    runs = {name: [timed_generation(Engine(model, tokenizer, prefill=first), tokens, args.n, args.tokens,
+                                    seed=args.seed, **knobs) for _ in range(3)]
+            for name, first in (("separate", separate_prefills), ("clone", cloned_prefill))}
+    rows = runs["clone"][0][2]
     for i, row in enumerate(rows):
         print(f"--- sample {i} (seed {args.seed + i})")
         print(tokenizer.decode(tokens + row))
-
-    prompt = torch.tensor([tokens], device=model.emb.weight.device)
-    runs = {name: [timed_generation(model, prompt, args.n, max(args.tokens, 1), first, args.seed, **knobs)
-                   for _ in range(3)]
-            for name, first in (("separate", separate_prefills), ("clone", cloned_prefill))}
-    assert torch.equal(runs["separate"][0][2], runs["clone"][0][2]), "both paths must give the same tokens"
+    if any(r[2] != rows for rs in runs.values() for r in rs):
+        raise SystemExit("prefill_clone.py: error: the two prefill paths gave different tokens")
     (sep_ttft, sep_total), (clone_ttft, clone_total) = (
-        (median([r[0] for r in rs]), median([r[1] for r in rs])) for rs in runs.values())
+        (sorted(r[0] for r in rs)[1], sorted(r[1] for r in rs)[1]) for rs in runs.values())
     print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens, {args.device}, "
           f"{torch.get_num_threads()} threads, median of 3 (same tokens from both paths):")
     print(f"{'':24}{'first token':>12}{'total':>10}")
     print(f"{f'{args.n} separate prefills':24}{sep_ttft * 1e3:>9.1f} ms{sep_total:>8.2f} s")
     print(f"{'1 prefill + clone':24}{clone_ttft * 1e3:>9.1f} ms{clone_total:>8.2f} s")
     print(f"{'speedup':24}{sep_ttft / clone_ttft:>11.1f}x{sep_total / clone_total:>9.2f}x")
+
 
 if __name__ == "__main__":
     run_cli(main)

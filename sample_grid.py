@@ -7,8 +7,7 @@ setting gives alone, and every run on the CPU prints the same text.
     python sample_grid.py [CHECKPOINT] [PROMPT] --tokens 60 --seed 1
 """
 
-from bpe import BPE
-from cached import encode_prompt, load
+from cached import encode_prompt, load_pair
 from model import Parser, check_count, run_cli
 from prefill_clone import Engine
 
@@ -41,8 +40,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     check_count("--tokens", args.tokens)
-    model = load(args.checkpoint, args.device)
-    tokenizer = BPE.load(args.tokenizer)
+    model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
     for name, row in grid(model, tokens, args.tokens, args.seed).items():
         print(f"=== {name}")

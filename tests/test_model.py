@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, Config, device_from, load_checkpoint
+from dataclasses import dataclass
+
+from model import GPT, Config, device_from, load_checkpoint, save_checkpoint
 
 PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}
 
@@ -89,13 +91,22 @@ def test_part3_checkpoint_loads_strict_and_matches_a_hand_written_forward(part3_
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
 
 
-def test_loss_is_cross_entropy_and_untrained_loss_is_near_ln_vocab():
+def test_loss_is_the_mean_negative_log_likelihood_of_the_hand_written_forward(part3_file):
+    model = load_checkpoint(part3_file)
+    idx = torch.randint(4096, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    logits = reference_forward(part3_state_dict(PART3_CONFIG), PART3_CONFIG, idx[:, :-1])
+    log_probs = logits - logits.exp().sum(-1, keepdim=True).log()
+    expected = -log_probs.gather(-1, idx[:, 1:, None]).mean()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-4)
+
+
+def test_untrained_loss_is_near_ln_vocab():
     torch.manual_seed(1337)
-    model = GPT().eval()
     idx = torch.randint(4096, (4, 65), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits, loss = model(idx[:, :-1], idx[:, 1:])
-    assert loss.item() == pytest.approx(F.cross_entropy(logits.reshape(-1, 4096), idx[:, 1:].reshape(-1)).item())
+        _, loss = GPT().eval()(idx[:, :-1], idx[:, 1:])
     assert abs(loss.item() - math.log(4096)) < 0.15
 
 
@@ -105,11 +116,23 @@ def test_model_py_prints_the_budget():
     assert "5,781,504" in run.stdout
 
 
-def test_generate_reruns_the_window_and_counts_tokens():
-    torch.manual_seed(0)
-    model = GPT(Config(context=8)).eval()
-    out = model.generate(torch.zeros(1, 3, dtype=torch.long), 20)
-    assert out.shape == (1, 23)
+def test_generate_reruns_the_last_context_tokens_for_every_new_token():
+    cfg = dict(PART3_CONFIG, context=8, n_layers=2, d_model=64, vocab_size=300)
+    sd = part3_state_dict(cfg)
+    model = GPT(Config(**cfg)).eval()
+    model.load_state_dict(sd)
+    seen = []
+
+    def pick(logits, idx):
+        seen.append((logits, idx))
+        return logits.argmax(-1)
+    with torch.no_grad():
+        out = model.generate(torch.zeros(2, 3, dtype=torch.long), 12, pick)
+    assert out.shape == (2, 15) and len(seen) == 12
+    for logits, idx in seen:
+        expected = reference_forward(sd, cfg, idx[:, -8:])[:, -1]
+        torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
+    assert torch.equal(out[:, 3:], torch.stack([l.argmax(-1) for l, _ in seen], dim=1))
     with pytest.raises(ValueError, match="n_tokens"):
         model.generate(out, -1)
     with pytest.raises(ValueError, match="exceed the context"):
@@ -119,6 +142,76 @@ def test_generate_reruns_the_window_and_counts_tokens():
 def test_shipped_checkpoint_loads():
     model = load_checkpoint("holmes.pt")
     assert sum(p.numel() for p in model.parameters()) == 5_781_504
+
+
+@dataclass
+class Part3Config:
+    """Part 3's own Config: exactly six fields, so a config dict with any other key is a TypeError."""
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 6
+    context: int = 256
+    dropout: float = 0.1
+
+
+def test_every_checkpoint_this_repo_ships_or_writes_loads_in_part3s_loader(tmp_path):
+    torch.manual_seed(0)
+    save_checkpoint(GPT(Config(vocab_size=300, d_model=32, n_heads=2, n_layers=1, context=16)), tmp_path / "a.pt", 3)
+    paths = ["holmes.pt", tmp_path / "a.pt"]
+    for path in paths:
+        ckpt = torch.load(path, weights_only=True)
+        cfg = Part3Config(**ckpt["config"])
+        assert set(ckpt) == {"model", "config", "step"} and isinstance(ckpt["step"], int)
+        assert ckpt["model"]["head.weight"].shape == (cfg.vocab_size, cfg.d_model)
+    gqa = GPT(Config(vocab_size=300, d_model=32, n_heads=2, n_kv_heads=1, n_layers=1, context=16))
+    save_checkpoint(gqa, tmp_path / "gqa.pt", 0)
+    assert torch.load(tmp_path / "gqa.pt", weights_only=True)["config"]["n_kv_heads"] == 1
+    assert load_checkpoint(tmp_path / "gqa.pt").cfg.n_kv_heads == 1
+
+
+def test_the_shipped_checkpoint_holds_part3_fields_only():
+    assert torch.load("holmes.pt", weights_only=True)["config"] == PART3_CONFIG
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_heads=0), "config n_heads is 0; expected a whole number >= 1"),
+    (dict(d_model=-8), "config d_model is -8"),
+    (dict(n_layers="6"), "config n_layers is '6'"),
+    (dict(context=None), "config context is None"),
+    (dict(vocab_size=True), "config vocab_size is True"),
+    (dict(dropout=2.0), r"config dropout is 2.0; expected a number in \[0, 1\)"),
+    (dict(d_model=250), "d_model .250. must divide by n_heads"),
+])
+def test_bad_config_values_are_named(tmp_path, change, message):
+    torch.save({"model": {}, "config": dict(PART3_CONFIG, **change), "step": 0}, tmp_path / "c.pt")
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(tmp_path / "c.pt")
+
+
+@pytest.mark.parametrize("poison, message", [
+    (float("nan"), "holds NaN, infinite or non-float values"),
+    (float("inf"), "holds NaN, infinite or non-float values"),
+    ("not a tensor", "is a str, not a tensor"),
+])
+def test_weights_that_are_not_finite_tensors_are_refused(tmp_path, poison, message):
+    sd = part3_state_dict(PART3_CONFIG)
+    if isinstance(poison, str):
+        sd["blocks.1.norm2.bias"] = poison
+    else:
+        sd["blocks.1.norm2.bias"][3] = poison
+    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "p.pt")
+    with pytest.raises(ValueError, match=f"'blocks.1.norm2.bias' {message}"):
+        load_checkpoint(tmp_path / "p.pt")
+
+
+def test_code_in_a_checkpoint_is_refused_without_torchs_retry_hint(tmp_path):
+    path = tmp_path / "evil.pt"
+    path.write_bytes(pickle.dumps(Payload()))
+    run = subprocess.run([sys.executable, "cached.py", str(path)], capture_output=True, text=True)
+    assert run.returncode == 1 and "code ran" not in run.stdout
+    assert "holds code or objects that are not plain tensors" in run.stderr
+    assert "weights_only" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
 def test_config_without_newer_fields_falls_back_to_defaults(tmp_path):

@@ -6,18 +6,8 @@ import pytest
 import torch
 
 from cached import CachedGPT, LayerCache
-from model import Config
-from prefill_clone import (
-    Engine,
-    KVCache,
-    cloned_prefill,
-    decode_step,
-    generate_prealloc,
-    prefill,
-    project,
-    separate_prefills,
-)
-from sampling import pick
+from model import Config, weights_left
+from prefill_clone import Engine, KVCache, cloned_prefill, prefill, separate_prefills
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 GQA = Config(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=1, n_layers=2, context=32)
@@ -26,10 +16,6 @@ GQA = Config(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=1, n_layers=2, co
 def small(cfg=SMALL, seed=0):
     torch.manual_seed(seed)
     return CachedGPT(cfg).eval()
-
-
-def greedy(logits, idx):
-    return pick(logits, temperature=0)
 
 
 PROMPT = [5, 17, 300, 42, 9]
@@ -74,11 +60,29 @@ def test_prefill_refuses_a_full_cache_and_a_source_batch_that_is_not_1_or_equal(
         many.prefill(one)
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_preallocated_greedy_equals_cached_inside_the_window(batch):
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-safe step, run eagerly"])
+@pytest.mark.parametrize("left", [False, True], ids=["nn.Linear order", "weights left"])
+def test_engine_greedy_rows_equal_cached_py_past_the_window(graph, left):
     model = small()
-    idx = torch.randint(512, (batch, 3), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(generate_prealloc(model, idx, 29, greedy), model.generate_cached(idx, 29))
+    rows, _ = Engine(model, weights_left=left, cuda_graph=graph).generate_batch(PROMPT, 3, max_tokens=60,
+                                                                                 temperature=0)
+    expected = model.generate_cached(torch.tensor([PROMPT]), 60)[0, len(PROMPT):].tolist()
+    assert rows == [expected] * 3
+
+
+def test_every_linear_and_layernorm_runs_on_every_decode_step_and_the_head_once_per_token():
+    model = small()
+    calls = {}
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm))}
+    hooks = [m.register_forward_hook(lambda m, i, o, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+             for name, m in modules.items()]
+    try:
+        Engine(model).generate_batch(PROMPT, 2, max_tokens=7, temperature=0)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert set(calls) == set(modules) and len(modules) == 2 * 6 + 1 + 1
+    assert all(n == 7 for n in calls.values()), calls  # one prefill + 6 decode steps
 
 
 def test_engine_greedy_rows_equal_cached_output():
@@ -140,15 +144,19 @@ def test_a_stop_string_completes_a_row():
     assert len(stopped) <= 4 and tokenizer.decode(stopped).endswith(text[-2:])
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 32, 33])
 @pytest.mark.parametrize("bias", [True, False])
-def test_project_computes_what_the_layer_computes(rows, bias):
+def test_weights_left_computes_what_nn_linear_computes(rows, bias):
     torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 96, bias=bias)
-    x = torch.randn(rows, 64)
-    got = project(layer, x)
-    assert got.shape == (rows, 96)
-    torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-6)
+    layer = small().blocks[0].mlp[0 if bias else 2]
+    if not bias:
+        layer = small().blocks[0].attn.qkv
+    x = torch.randn(rows, 1, layer.in_features)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with weights_left():
+        got = layer(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("known_pos", [True, False], ids=["sliced reads", "masked reads (graph-safe)"])
@@ -156,12 +164,12 @@ def test_ring_past_the_window_gives_cached_py_logits_for_600_steps(known_pos):
     model = small()
     feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
     logits_ring, ring = prefill(model, feed[:, :10], SMALL.context)
-    caches = [LayerCache() for _ in model.blocks]
-    with torch.no_grad():
+    caches = [LayerCache(SMALL.context) for _ in model.blocks]
+    with torch.inference_mode():
         logits_rolling = model.step(feed[:, :10], caches, 0)
         for t in range(10, 600):
             torch.testing.assert_close(logits_ring, logits_rolling, atol=1e-4, rtol=1e-4)
-            logits_ring = decode_step(model, feed[:, t:t + 1], ring, t if known_pos else None)
+            logits_ring = model.step(feed[:, t:t + 1], ring, t if known_pos else ring.cache_seqlens.long())
             logits_rolling = model.step(feed[:, t:t + 1], caches, t)
     assert ring.k.shape[2] == SMALL.context and ring.get_pos() == 600
 
@@ -171,7 +179,8 @@ def test_gqa_cached_equals_uncached_and_the_cache_shrinks():
     assert model.blocks[0].attn.qkv.weight.shape == (64 + 2 * 16, 64)
     idx = torch.tensor([PROMPT])
     assert torch.equal(model.generate_cached(idx, 27), model.generate_uncached(idx, 27))
-    assert torch.equal(generate_prealloc(model, idx, 27, greedy), model.generate_cached(idx, 27))
+    rows, _ = Engine(model).generate_batch(PROMPT, 1, max_tokens=27, temperature=0)
+    assert rows[0] == model.generate_cached(idx, 27)[0, len(PROMPT):].tolist()
     full = KVCache.for_model(small(), 1, 32).nbytes()
     assert KVCache.for_model(model, 1, 32).nbytes() * 4 == full
 
@@ -186,16 +195,29 @@ def test_clone_and_separate_prefills_fill_the_same_cache():
 @pytest.mark.parametrize("call, message", [
     (dict(num_samples=0), "num_samples must be a whole number >= 1"),
     (dict(max_tokens=-1), "max_tokens must be a whole number >= 0"),
-    (dict(tokens=[]), "prompt is empty"),
+    (dict(tokens=[]), "prompt must be a non-empty list"),
     (dict(tokens=list(range(33))), "33 tokens is longer than the cache"),
     (dict(num_samples=3, settings=[{}, {}]), "settings is a list of 2, but num_samples is 3"),
     (dict(num_samples=2, seed=[1]), "seed is a list of 1, but num_samples is 2"),
     (dict(stop=512), "stop token id 512 is outside the vocabulary 0..511"),
     (dict(tokens=[5, 512]), "prompt token 512 is outside the vocabulary 0..511"),
-    (dict(tokens=[5, 2.0]), "prompt token 2.0 is outside the vocabulary 0..511"),
+    (dict(tokens=[5, 2.0]), "prompt token 2.0 is not an integer id"),
     (dict(forced=[[7, -1]]), "forced token for row 0: -1 is outside the vocabulary 0..511"),
     (dict(stop="the end"), "stop strings need"),
-    (dict(temperature=-1), "temperature must be >= 0"),
+    (dict(temperature=-1), "temperature must be 0"),
+    (dict(temperature=1e-38), "temperature must be 0"),
+    (dict(top_p=float("nan")), "top_p must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(stop=2.0), "stop token id 2.0 is not an integer id"),
+    (dict(stop={3}), r"stop token id \{3\} is not an integer id"),
+    (dict(stop=b"x"), "stop token id b'x' is not an integer id"),
+    (dict(tokens=[5, True]), "prompt token True is not an integer id"),
+    (dict(num_samples=True), "num_samples True is not an integer id"),
+    (dict(num_samples=1.0), "num_samples 1.0 is not an integer id"),
+    (dict(seed=-1), "seed -1 is outside the seeds"),
+    (dict(seed=2.5), "seed 2.5 is not an integer id"),
+    (dict(tokens="hello"), "prompt must be a non-empty list of token ids"),
+    (dict(num_samples=10**9), "needs .* GiB, more than half of this machine"),
     (dict(topk=3), "unknown sampling knob 'topk'"),
 ])
 def test_bad_input_is_named(call, message):
@@ -211,3 +233,40 @@ def test_cli_prints_samples_and_the_side_by_side_timing():
     assert "--- sample 1 (seed 1)" in run.stdout and "1 prefill + clone" in run.stdout and "speedup" in run.stdout
     run = subprocess.run([sys.executable, "prefill_clone.py", "-n", "0"], capture_output=True, text=True)
     assert run.returncode != 0 and run.stderr.strip() == "prefill_clone.py: error: -n must be at least 1, got 0"
+
+
+def test_integer_likes_are_accepted_as_ids_and_counts():
+    import numpy as np
+    model = small()
+    expected = Engine(model).generate_batch(PROMPT, 2, max_tokens=5, temperature=0)
+    got = Engine(model).generate_batch([np.int64(t) for t in PROMPT[:-1]] + [torch.tensor(PROMPT[-1])],
+                                       np.int32(2), max_tokens=5, temperature=0, stop=np.int64(511))
+    assert got == expected
+
+
+def test_a_second_generator_on_one_engine_is_refused_while_the_first_is_open():
+    engine = Engine(small())
+    first = engine.generate(PROMPT, 1, max_tokens=5, temperature=0)
+    next(first)
+    with pytest.raises(ValueError, match="already generating"):
+        next(engine.generate(PROMPT, 1, max_tokens=5, temperature=0))
+    first.close()
+    assert len(engine.generate_batch(PROMPT, 1, max_tokens=3, temperature=0)[0][0]) == 3
+
+
+def test_a_ring_shorter_than_the_context_refuses_to_wrap():
+    model = small()
+    _, cache = prefill(model, torch.tensor([PROMPT]), 8)
+    with torch.inference_mode():
+        for pos in range(5, 8):
+            model.step(torch.tensor([[1]]), cache, pos)
+        with pytest.raises(ValueError, match="past this cache's 8 positions"):
+            model.step(torch.tensor([[1]]), cache, 8)
+
+
+def test_cli_refuses_a_cache_too_big_for_memory_and_a_seed_out_of_range():
+    run = subprocess.run([sys.executable, "prefill_clone.py", "-n", "100000000"], capture_output=True, text=True)
+    assert run.returncode == 1 and "GiB, more than half of this machine" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+    run = subprocess.run([sys.executable, "prefill_clone.py", "--seed", str(2**64)], capture_output=True, text=True)
+    assert run.returncode == 1 and "--seed must be in 0.." in run.stderr

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from sampling import draw, pick, picker
+from sampling import pick, picker
 
 G = torch.Generator
 
@@ -18,7 +18,7 @@ def test_self_check_runs_from_the_command_line():
 
 def test_greedy_settings_give_the_argmax_for_every_row():
     scores = torch.randn(32, 4096, generator=G().manual_seed(3))
-    best = scores.argmax(-1, keepdim=True)
+    best = scores.argmax(-1)
     assert torch.equal(pick(scores, temperature=0), best)
     assert torch.equal(pick(scores, top_k=1), best)
     assert torch.equal(pick(scores, top_p=1e-9), best)
@@ -29,7 +29,7 @@ def test_top_k_stays_in_the_top_k_and_clamps_above_the_vocabulary():
     top5 = scores.topk(5, -1).indices
     g = G().manual_seed(0)
     for _ in range(50):
-        assert (pick(scores, top_k=5, generator=g) == top5).any(-1).all()
+        assert (pick(scores, top_k=5, generator=g)[:, None] == top5).any(-1).all()
     assert torch.equal(pick(scores, top_k=10_000, generator=G().manual_seed(9)),
                        pick(scores, generator=G().manual_seed(9)))
 
@@ -67,7 +67,12 @@ def test_a_generator_makes_draws_reproducible():
 
 
 @pytest.mark.parametrize("knobs, message", [
-    ({"temperature": -0.1}, "temperature must be >= 0"),
+    ({"temperature": -0.1}, "temperature must be 0"),
+    ({"temperature": 1e-38}, "temperature must be 0 .greedy. or at least"),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"top_p": float("nan")}, "top_p must be a finite number"),
+    ({"penalty": float("inf")}, "penalty must be a finite number"),
+    ({"top_k": 2.0}, "top_k must be a whole number"),
     ({"top_k": -1}, "top_k must be a whole number >= 0"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
@@ -87,11 +92,30 @@ def test_picker_checks_knobs_up_front_and_uses_the_tokens_so_far_as_history():
     assert greedy_penalised(torch.tensor([[2.0, 1.5]]), torch.tensor([[0]])).item() == 1
 
 
-@pytest.mark.parametrize("knobs", [dict(temperature=0, penalty=1.3), dict(temperature=0.8, top_k=40, top_p=0.9),
-                                   dict(temperature=1.2, penalty=1.3)])
-def test_draw_is_pick_without_the_checks(knobs):
-    scores = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
-    history = torch.randint(100, (4, 12), generator=torch.Generator().manual_seed(1))
-    picked = pick(scores, history=history, generator=torch.Generator().manual_seed(2), **knobs)
-    drawn = draw(scores, history=history, generator=torch.Generator().manual_seed(2), **knobs)
-    assert torch.equal(picked, drawn)
+def test_pick_returns_one_id_per_row_for_the_posts_loops():
+    scores = torch.randn(3, 50, generator=G().manual_seed(0))
+    assert pick(scores, temperature=0).shape == (3,)
+    assert pick(scores, generator=G().manual_seed(1)).shape == (3,)
+    idx = torch.zeros(3, 4, dtype=torch.long)
+    assert torch.cat([idx, picker(temperature=0)(scores, idx)[:, None]], dim=1).shape == (3, 5)
+
+
+@pytest.mark.parametrize("logits, history, message", [
+    (torch.zeros(2, 3, 10), None, r"logits must be a float tensor \(B, vocab\)"),
+    (torch.zeros(10), None, r"logits must be a float tensor \(B, vocab\)"),
+    (torch.zeros(2, 10, dtype=torch.long), None, "logits must be a float tensor"),
+    (torch.tensor([[0.0, float("nan")]]), None, "NaN or infinite"),
+    (torch.full((1, 4), float("-inf")), None, "NaN or infinite"),
+    (torch.zeros(4, 10), torch.zeros(2, 3, dtype=torch.long), r"history must be integer ids shaped \(1, T\) or \(4, T\)"),
+    (torch.zeros(4, 10), torch.zeros(3, dtype=torch.long), "history must be integer ids shaped"),
+    (torch.zeros(4, 10), torch.zeros(4, 3), "history must be integer ids shaped"),
+])
+def test_pick_refuses_inputs_it_would_have_to_guess_at(logits, history, message):
+    with pytest.raises(ValueError, match=message):
+        pick(logits, temperature=0, history=history)
+
+
+def test_a_one_row_history_applies_to_every_row():
+    scores = torch.tensor([[2.0, 1.5], [2.0, 1.5]])
+    assert pick(scores, temperature=0, penalty=2.0, history=[[0]]).tolist() == [1, 1]
+    assert pick(scores, temperature=0, penalty=2.0, history=[[0], [1]]).tolist() == [1, 0]

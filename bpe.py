@@ -9,14 +9,20 @@ tokenizer.json written by Part 1 loads and encodes here unchanged.
 
 trains a tokenizer on a text file, checks the round trip and writes the file.
 """
-import argparse
 import heapq
 import json
+import operator
+import os
 import sys
 import time
 from collections import Counter
 
 import regex
+
+from model import Parser, check_new_file, run_cli
+
+MAX_MERGES = 65536 - 256  # ids must fit uint16, as Part 3's training stores them
+MAX_TOKEN_BYTES = 4096  # far above any real merge list; stops a file that would build gigabyte tokens
 
 SPLIT_PATTERN = regex.compile(
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -72,8 +78,13 @@ class BPE:
             raise FileNotFoundError(f"tokenizer file {path} not found; pass a Part 1 tokenizer.json") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
+        except RecursionError:
+            raise ValueError(f"{path} is nested too deeply to be a tokenizer; expected {{\"merges\": [[a, b], ...]}}") from None
         if not isinstance(data, dict) or set(data) != {"merges"} or not isinstance(data["merges"], list):
             raise ValueError(f"{path} must hold exactly {{\"merges\": [[a, b], ...]}}")
+        if len(data["merges"]) > MAX_MERGES:
+            raise ValueError(f"{path} has {len(data['merges']):,} merges; at most {MAX_MERGES:,} fit uint16 ids")
+        lengths = [1] * 256
         for i, m in enumerate(data["merges"]):
             ok = isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m)
             if not ok:
@@ -82,11 +93,17 @@ class BPE:
                 raise ValueError(
                     f"{path}: merge {i} {m} names an id not yet defined (ids so far are 0..{255 + i})"
                 )
+            lengths.append(lengths[m[0]] + lengths[m[1]])
+            if lengths[-1] > MAX_TOKEN_BYTES:
+                raise ValueError(f"{path}: merge {i} builds a token of {lengths[-1]:,} bytes; "
+                                 f"a real tokenizer's tokens are far shorter than {MAX_TOKEN_BYTES:,}")
         return cls(data["merges"])
 
     def save(self, path):
-        with open(path, "w", encoding="utf-8") as f:
+        """Part 1's format, through a temporary file and a rename: a cut write leaves the old file whole."""
+        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
             json.dump({"merges": [list(m) for m in self.merges]}, f)
+        os.replace(f"{path}.tmp", path)
 
     def _encode_chunk(self, chunk):
         ids = self._chunk_cache.get(chunk)
@@ -108,12 +125,19 @@ class BPE:
         return out
 
     def decode(self, ids):
+        return b"".join(self.vocab[self._id(i)] for i in ids).decode("utf-8", errors="replace")
+
+    def _id(self, i):
+        """An integer-like id (not a bool) inside the vocabulary, as an int."""
         try:
-            raw = b"".join(self.vocab[i] for i in ids)
-        except (IndexError, TypeError):
-            bad = next(i for i in ids if not (type(i) is int and 0 <= i < self.vocab_size))
-            raise ValueError(f"token id {bad!r} is outside the vocabulary (0..{self.vocab_size - 1})") from None
-        return raw.decode("utf-8", errors="replace")
+            if isinstance(i, bool):
+                raise TypeError
+            i = operator.index(i)
+        except TypeError:
+            raise ValueError(f"token id {i!r} is not an integer") from None
+        if not 0 <= i < self.vocab_size:
+            raise ValueError(f"token id {i!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return i
 
     @classmethod
     def train(cls, text, vocab_size, progress=False):
@@ -172,16 +196,20 @@ class BPE:
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on a text file.")
+    ap = Parser(description="Train a byte-level BPE tokenizer on a text file.")
     ap.add_argument("corpus", help="UTF-8 text file to train on")
     ap.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
     ap.add_argument("--out", default="tokenizer.json", help="where to write the merges")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    if not 256 <= args.vocab <= 256 + MAX_MERGES:
+        raise ValueError(f"--vocab must be in 256..{256 + MAX_MERGES}, got {args.vocab}")
     try:
         with open(args.corpus, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"corpus {args.corpus} not found") from None
+    check_new_file(args.out, args.force)
 
     t0 = time.time()
     bpe = BPE.train(text, args.vocab, progress=True)
@@ -199,7 +227,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        sys.exit(f"bpe.py: error: {e}")
+    run_cli(main)

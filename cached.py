@@ -27,7 +27,18 @@ import time
 import torch
 
 from bpe import BPE
-from model import GPT, Block, Parser, RoPEAttention, check_count, greedy, load_checkpoint, rope_at, run_cli
+from model import (
+    GPT,
+    Block,
+    Parser,
+    RoPEAttention,
+    check_count,
+    greedy,
+    load_checkpoint,
+    rope_at,
+    run_cli,
+    show_progress,
+)
 
 
 class LayerCache:
@@ -178,15 +189,13 @@ def encode_prompt(tokenizer, text, model):
 
 
 def with_progress(pick, n_tokens, label):
-    """pick, printing a progress line with an ETA on stderr each time a token is picked."""
-    t0, done = time.time(), 0
+    """pick, updating a progress line on stderr each time a token is picked."""
+    started, done = time.time(), 0
 
     def counted(logits, idx):
         nonlocal done
         done += 1
-        eta = (time.time() - t0) / done * (n_tokens - done)
-        end = "\r" + " " * 60 + "\r" if done == n_tokens else ""
-        print(f"\r{label}: {done}/{n_tokens} tokens, ETA {eta:.0f}s ", end=end, file=sys.stderr, flush=True)
+        show_progress(f"{label} tokens", done, n_tokens, started)
         return pick(logits, idx)
     return counted
 

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -300,6 +301,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         sys.exit(f"{self.prog}: error: {message} (see --help)")
+
+
+def show_progress(label, done, total, started):
+    """One updating line on stderr: how far, and an ETA; cleared once done == total."""
+    eta = (time.time() - started) / done * (total - done)
+    end = "\r" + " " * 72 + "\r" if done == total else ""
+    print(f"\r{label}: {done:,}/{total:,}, ETA {eta:.0f}s ", end=end, file=sys.stderr, flush=True)
 
 
 def check_new_file(path, force, flag="--force"):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cached import encode_prompt, load_pair
-from model import Parser, check_count, run_cli, weights_left
+from model import Parser, check_count, run_cli, show_progress, weights_left
 from sampling import check_history, check_knobs, draw
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
@@ -348,12 +348,16 @@ class Engine:
         finally:
             self.busy = False
 
-    def generate_batch(self, tokens, num_samples=1, **kwargs):
-        """Run generate to the end; return each row's new tokens and their masks."""
+    def generate_batch(self, tokens, num_samples=1, progress=None, **kwargs):
+        """Run generate to the end; return each row's new tokens and their masks.
+
+        progress: a label, to show a progress line on stderr (needs max_tokens)."""
         steps = self.generate(tokens, num_samples, **kwargs)  # every input checked before the first step
-        n = operator.index(num_samples)
+        n, started = operator.index(num_samples), time.time()
         results, masks = [[] for _ in range(n)], [[] for _ in range(n)]
-        for column, column_masks in steps:
+        for step, (column, column_masks) in enumerate(steps, 1):
+            if progress:
+                show_progress(progress, step, kwargs["max_tokens"], started)
             for i, (token, mask) in enumerate(zip(column, column_masks)):
                 if token is not None:
                     results[i].append(token)
@@ -366,14 +370,16 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def timed_generation(engine, tokens, n, n_tokens, **kwargs):
+def timed_generation(engine, tokens, n, n_tokens, progress=None, **kwargs):
     """(time to first token, total time, rows) for Engine.generate run to the end."""
     device = engine.model.emb.weight.device
     sync(device)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     rows, ttft = [[] for _ in range(n)], None
-    for column, _ in engine.generate(tokens, n, max_tokens=n_tokens, **kwargs):
+    for step, (column, _) in enumerate(engine.generate(tokens, n, max_tokens=n_tokens, **kwargs), 1):
         ttft = ttft or time.perf_counter() - t0
+        if progress:
+            show_progress(progress, step, n_tokens, started)
         for row, token in zip(rows, column):
             row.append(token)
     sync(device)
@@ -405,15 +411,15 @@ def main():
     KVCache.for_model(model, args.n, cache_len(model, len(tokens), args.tokens))  # refuses a cache too big, early
 
     runs = {name: [timed_generation(Engine(model, tokenizer, prefill=first), tokens, args.n, args.tokens,
-                                    seed=args.seed, **knobs) for _ in range(3)]
-            for name, first in (("separate", separate_prefills), ("clone", cloned_prefill))}
+                                    f"{name}, run {i + 1}/3, tokens", seed=args.seed, **knobs) for i in range(3)]
+            for name, first in (("clone", cloned_prefill), ("separate", separate_prefills))}
     rows = runs["clone"][0][2]
     for i, row in enumerate(rows):
         print(f"--- sample {i} (seed {args.seed + i})")
         print(tokenizer.decode(tokens + row))
     if any(r[2] != rows for rs in runs.values() for r in rs):
         raise SystemExit("prefill_clone.py: error: the two prefill paths gave different tokens")
-    (sep_ttft, sep_total), (clone_ttft, clone_total) = (
+    (clone_ttft, clone_total), (sep_ttft, sep_total) = (
         (sorted(r[0] for r in rs)[1], sorted(r[1] for r in rs)[1]) for rs in runs.values())
     print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens, {args.device}, "
           f"{torch.get_num_threads()} threads, median of 3 (same tokens from both paths):")

@@ -23,9 +23,9 @@ SETTINGS = {
 }
 
 
-def grid(model, tokens, n_tokens, seed):
+def grid(model, tokens, n_tokens, seed, progress=None):
     """Each setting's new tokens, all eight rows from one prefill."""
-    rows, _ = Engine(model).generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens,
+    rows, _ = Engine(model).generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, progress=progress,
                                            seed=[seed] * len(SETTINGS), settings=list(SETTINGS.values()))
     return dict(zip(SETTINGS, rows))
 
@@ -40,9 +40,11 @@ def main():
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     check_count("--tokens", args.tokens)
+    if not 0 <= args.seed < 2**64:
+        raise ValueError(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
-    for name, row in grid(model, tokens, args.tokens, args.seed).items():
+    for name, row in grid(model, tokens, args.tokens, args.seed, progress="tokens").items():
         print(f"=== {name}")
         print(tokenizer.decode(tokens + row).strip())
         print()

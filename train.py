@@ -1,6 +1,6 @@
 """Part 3's training recipe, to make the checkpoint every other script uses.
 
-    python train.py --corpus PATH [--steps 1500] [--out holmes] [--device cpu|cuda] [--resume]
+    python train.py --corpus PATH [--steps 1500] [--out holmes] [--device cpu|cuda] [--resume | --force]
 
 The corpus is tokenized once (the ids are cached under data/). Batches of
 32 x 256 random windows from the first 90%; AdamW with warmup and cosine
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from bpe import BPE
-from model import GPT, Config, Parser, device_from, run_cli, save_checkpoint
+from model import GPT, Config, Parser, check_new_file, device_from, run_cli, save_checkpoint
 
 BATCH = 32
 
@@ -31,6 +31,7 @@ def load_ids(corpus, tokenizer_path):
             raw = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"corpus {corpus} not found; pass --corpus PATH to a UTF-8 text file") from None
+    tokenizer = BPE.load(tokenizer_path)
     with open(tokenizer_path, "rb") as f:
         key = hashlib.sha256(raw + f.read()).hexdigest()[:16]
     cache = os.path.join("data", f"ids-{key}.npy")
@@ -41,10 +42,11 @@ def load_ids(corpus, tokenizer_path):
     except UnicodeDecodeError as e:
         raise ValueError(f"corpus {corpus} is not UTF-8 ({e.reason} at byte {e.start})") from None
     t0 = time.time()
-    ids = np.array(BPE.load(tokenizer_path).encode(text), dtype=np.uint16)
+    ids = np.array(tokenizer.encode(text), dtype=np.uint16)
     print(f"tokenized {len(raw):,} bytes into {len(ids):,} tokens in {time.time() - t0:.1f}s", file=sys.stderr)
     os.makedirs("data", exist_ok=True)
-    np.save(cache, ids)
+    np.save(f"{cache}.tmp.npy", ids)
+    os.replace(f"{cache}.tmp.npy", cache)
     return ids
 
 
@@ -79,6 +81,27 @@ def evaluate(model, splits, context, n_batches, device, autocast):
     return means
 
 
+def write_csv(path, rows):
+    """The whole log, through a temporary file and a rename: a cut write leaves the old log whole."""
+    with open(f"{path}.tmp", "w", newline="") as f:
+        csv.writer(f).writerows([["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"], *rows])
+    os.replace(f"{path}.tmp", path)
+
+
+def read_resume(path, device):
+    """What a cut-short run left, or a one-line error naming the file."""
+    if not os.path.exists(path):
+        raise ValueError(f"--resume: {path} not found; start without --resume")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        with open(path.replace(".resume.pt", ".csv"), newline="") as f:
+            rows = list(csv.reader(f))[1:]
+        return state, rows, [state[k] for k in ("model", "optimizer", "generator", "step", "best_val", "elapsed")]
+    except Exception as e:
+        raise ValueError(f"--resume: {path} or its CSV log cannot be read ({type(e).__name__}); "
+                         "start again without --resume") from None
+
+
 def random_states(device):
     """Where dropout draws from, and the resume file's key for each."""
     return [(torch, "rng")] + ([(torch.cuda, "cuda_rng")] if device.type == "cuda" else [])
@@ -96,12 +119,17 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast on the CPU too (CUDA always uses it)")
     ap.add_argument("--resume", action="store_true", help="go on from NAME.resume.pt")
+    ap.add_argument("--force", action="store_true", help="replace an existing NAME.pt and NAME.csv")
     args = ap.parse_args()
     for flag in ("steps", "eval_every", "eval_batches"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     device = device_from(args.device)
     name = args.out.removesuffix(".pt")
+    if not args.resume:
+        for path in (f"{name}.pt", f"{name}.csv"):
+            check_new_file(path, args.force, "--force (or --resume to go on from it)")
+    resumed = read_resume(f"{name}.resume.pt", device) if args.resume else None
     use_bf16 = device.type == "cuda" or args.bf16
 
     def autocast():
@@ -109,6 +137,9 @@ def main():
 
     cfg = Config()
     ids = torch.from_numpy(load_ids(args.corpus, args.tokenizer).astype(np.int64))
+    if len(ids) < 10 * (cfg.context + 2):
+        raise ValueError(f"corpus {args.corpus} gives {len(ids):,} tokens; at least {10 * (cfg.context + 2):,} are "
+                         f"needed for the last 10% to hold one {cfg.context + 1}-token validation window")
     if ids.max() >= cfg.vocab_size:
         raise ValueError(f"tokenizer makes id {ids.max().item()} but the model's vocabulary is {cfg.vocab_size}")
     split = int(0.9 * len(ids))
@@ -125,19 +156,19 @@ def main():
     gen = torch.Generator().manual_seed(1337)
     start, best_val, elapsed = 0, float("inf"), 0.0
 
-    if args.resume:
-        state = torch.load(f"{name}.resume.pt", map_location=device, weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
+    rows = []
+    if resumed:
+        state, rows, (weights, optimizer, generator, start, best_val, elapsed) = resumed
+        try:
+            model.load_state_dict(weights)
+            opt.load_state_dict(optimizer)
+            gen.set_state(generator)
+        except Exception as e:
+            raise ValueError(f"--resume: {name}.resume.pt does not fit this run ({type(e).__name__})") from None
         for rng, key in random_states(device):
             if key in state:  # dropout's draws; resume files from before they were kept go on without them
                 rng.set_rng_state(state[key].cpu())
-        start, best_val, elapsed = state["step"], state["best_val"], state["elapsed"]
         print(f"resuming at step {start} (best val {best_val:.3f})", file=sys.stderr)
-    else:
-        with open(f"{name}.csv", "w", newline="") as f:
-            csv.writer(f).writerow(["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"])
 
     t0, tokens = time.time(), 0
     for step in range(start, args.steps):
@@ -164,15 +195,15 @@ def main():
             total_time = elapsed + time.time() - t0
             print(f"\rstep {done}: train {train_loss:.3f}  val {val_loss:.3f}  {tok_s:,.0f} tok/s"
                   f"  {total_time:.0f}s" + " " * 20, file=sys.stderr)
-            with open(f"{name}.csv", "a", newline="") as f:
-                row = [done, f"{train_loss:.4f}", f"{val_loss:.4f}", f"{tok_s:.0f}", f"{total_time:.1f}"]
-                csv.writer(f).writerow(row)
+            rows.append([done, f"{train_loss:.4f}", f"{val_loss:.4f}", f"{tok_s:.0f}", f"{total_time:.1f}"])
+            write_csv(f"{name}.csv", rows)
             if val_loss < best_val:
                 best_val = val_loss
                 save_checkpoint(model, f"{name}.pt", done)
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
                         **{key: rng.get_rng_state() for rng, key in random_states(device)},
-                        "step": done, "best_val": best_val, "elapsed": total_time}, f"{name}.resume.pt")
+                        "step": done, "best_val": best_val, "elapsed": total_time}, f"{name}.resume.pt.tmp")
+            os.replace(f"{name}.resume.pt.tmp", f"{name}.resume.pt")
     print(f"best val loss {best_val:.3f}; checkpoint {name}.pt, log {name}.csv", file=sys.stderr)
 
 

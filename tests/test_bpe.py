@@ -143,3 +143,52 @@ def test_cli_trains_writes_part1_format_and_refuses_a_missing_corpus(tmp_path):
     run = subprocess.run([sys.executable, "bpe.py", str(tmp_path / "missing.txt")], capture_output=True, text=True)
     assert run.returncode != 0
     assert run.stderr.strip().splitlines() == [f"bpe.py: error: corpus {tmp_path / 'missing.txt'} not found"]
+
+
+def test_an_existing_tokenizer_is_kept_unless_forced(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    shipped = open("tokenizer.json", "rb").read()
+    for out in ("tokenizer.json", tmp_path / "mine.json"):
+        if out != "tokenizer.json":
+            out.write_text("my own")
+        before = open(out, "rb").read()
+        run = subprocess.run([sys.executable, "bpe.py", str(corpus), "--vocab", "300", "--out", str(out)],
+                             capture_output=True, text=True)
+        assert run.returncode == 1 and "already exists; pass --force" in run.stderr and "Traceback" not in run.stderr
+        assert open(out, "rb").read() == before
+    assert open("tokenizer.json", "rb").read() == shipped
+    run = subprocess.run([sys.executable, "bpe.py", str(corpus), "--vocab", "300", "--out", str(tmp_path / "mine.json"),
+                          "--force"], capture_output=True, text=True)
+    assert run.returncode == 0 and len(BPE.load(tmp_path / "mine.json").merges) == 44
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([-1], "token id -1 is outside the vocabulary"),
+    ([4096], "token id 4096 is outside the vocabulary"),
+    ([True], "token id True is not an integer"),
+    ([3.0], "token id 3.0 is not an integer"),
+    (["a"], "token id 'a' is not an integer"),
+])
+def test_decode_refuses_ids_it_does_not_have(ids, message):
+    with pytest.raises(ValueError, match=message):
+        BPE.load("tokenizer.json").decode(ids)
+
+
+def test_decode_accepts_integer_likes():
+    import numpy as np
+    bpe = BPE.load("tokenizer.json")
+    ids = bpe.encode("Holmes")
+    assert bpe.decode(np.array(ids)) == bpe.decode([int(i) for i in ids]) == "Holmes"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (json.dumps({"merges": [[97, 97]] + [[256 + i, 256 + i] for i in range(40)]}), "builds a token of"),
+    (json.dumps({"merges": [[0, 0]] * 70_000}), "at most 65,280 fit uint16 ids"),
+])
+def test_hostile_tokenizer_files_are_refused_with_a_reason(tmp_path, content, message):
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        BPE.load(path)

@@ -182,3 +182,47 @@ def test_a_tokenizer_larger_than_the_model_is_named(script, tmp_path, random_mod
     assert run.returncode != 0
     assert "tokenizer.json" in run.stderr and "512" in run.stderr and "4096" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+def hostile_checkpoint(path, kind):
+    from test_model import PART3_CONFIG, part3_state_dict
+    sd, cfg = part3_state_dict(PART3_CONFIG), dict(PART3_CONFIG)
+    if kind == "nan weight":
+        sd["blocks.0.attn.qkv.weight"][0, 0] = float("nan")
+    elif kind == "zero heads":
+        cfg["n_heads"] = 0
+    elif kind == "string size":
+        cfg["d_model"] = "256"
+    elif kind == "None context":
+        cfg["context"] = None
+    elif kind == "weight not a tensor":
+        sd["norm.bias"] = [0.0] * 256
+    torch.save({"model": sd, "config": cfg, "step": 0}, path)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("nan weight", "'blocks.0.attn.qkv.weight' holds NaN, infinite or non-float values"),
+    ("zero heads", "config n_heads is 0; expected a whole number >= 1"),
+    ("string size", "config d_model is '256'; expected a whole number >= 1"),
+    ("None context", "config context is None"),
+    ("weight not a tensor", "'norm.bias' is a list, not a tensor"),
+])
+def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message):
+    hostile_checkpoint(tmp_path / "h.pt", kind)
+    run = subprocess.run([sys.executable, "cached.py", str(tmp_path / "h.pt")], capture_output=True, text=True)
+    assert run.returncode == 1 and run.stdout == "" and "Traceback" not in run.stderr
+    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[" * 50_000 + "]" * 50_000, "nested too deeply"),
+    ('{"merges": [[97, 97], [256, 256], [257, 257], [258, 258], [259, 259], [260, 260], [261, 261], [262, 262], '
+     '[263, 263], [264, 264], [265, 265], [266, 266], [267, 267]]}', "builds a token of 8,192 bytes"),
+    ('{"merges": [[1, "a"]]}', "merge 0 is [1, 'a'], expected a pair of integer ids"),
+])
+def test_hostile_tokenizer_files_get_one_line_and_exit_1(tmp_path, content, message):
+    (tmp_path / "t.json").write_text(content)
+    run = subprocess.run([sys.executable, "cached.py", "--tokenizer", str(tmp_path / "t.json")],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1

@@ -270,3 +270,22 @@ def test_cli_refuses_a_cache_too_big_for_memory_and_a_seed_out_of_range():
     assert len(run.stderr.strip().splitlines()) == 1
     run = subprocess.run([sys.executable, "prefill_clone.py", "--seed", str(2**64)], capture_output=True, text=True)
     assert run.returncode == 1 and "--seed must be in 0.." in run.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "inf"], "temperature must be a finite number, got inf"),
+    (["--temperature", "nan"], "temperature must be a finite number, got nan"),
+    (["--temperature", "1e-38"], "temperature must be 0 (greedy) or at least 0.0001"),
+    (["--top-p", "nan"], "top_p must be a finite number"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--seed", "-1"], "--seed must be in 0.."),
+    (["--seed", str(2**64)], "--seed must be in 0.."),
+    (["-n", "100000"], "GiB, more than half of this machine"),
+    (["-n", "-2"], "-n must be at least 1, got -2"),
+    (["--tokens", "-1"], "--tokens must be at least 1, got -1"),
+    (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+])
+def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message):
+    run = subprocess.run([sys.executable, "prefill_clone.py", *args], capture_output=True, text=True)
+    assert run.returncode in (1, 2) and run.stdout == ""
+    assert message in run.stderr and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1

@@ -97,3 +97,42 @@ def test_a_run_cut_short_and_resumed_ends_exactly_where_an_uncut_run_ends(tmp_pa
     assert losses("cut") == losses("uncut") and len(losses("cut")) == 2
     uncut, cut = (torch.load(f"{name}.pt", weights_only=True)["model"] for name in ("uncut", "cut"))
     assert all(torch.equal(uncut[k], cut[k]) for k in uncut)
+
+
+def test_existing_outputs_are_kept_unless_forced_and_the_shipped_ones_never_touched(tmp_path):
+    (tmp_path / "corpus.txt").write_text("The game is afoot, Watson! Come, the hansom waits. " * 400)
+    (tmp_path / "run.pt").write_bytes(b"my checkpoint")
+    run = train(tmp_path, "--steps", "1")
+    assert run.returncode == 1 and "run.pt already exists; pass --force" in run.stderr
+    assert (tmp_path / "run.pt").read_bytes() == b"my checkpoint" and not (tmp_path / "run.csv").exists()
+    shipped = {name: open(os.path.join(ROOT, name), "rb").read() for name in ("holmes.pt", "holmes.csv")}
+    run = subprocess.run([sys.executable, "train.py", "--corpus", str(tmp_path / "corpus.txt"), "--steps", "1"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 1 and "holmes.pt already exists" in run.stderr
+    assert all(open(os.path.join(ROOT, n), "rb").read() == b for n, b in shipped.items())
+    run = train(tmp_path, "--steps", "1", "--eval-batches", "1", "--force")
+    assert run.returncode == 0, run.stderr
+    assert torch.load(tmp_path / "run.pt", weights_only=True)["step"] == 1
+
+
+@pytest.mark.parametrize("corpus, message", [
+    ("", "gives 0 tokens; at least 2,580 are needed"),
+    ("Tiny corpus. " * 20, "tokens; at least 2,580 are needed"),
+])
+def test_an_empty_or_tiny_corpus_is_refused_before_any_file_is_written(tmp_path, corpus, message):
+    (tmp_path / "corpus.txt").write_text(corpus)
+    run = train(tmp_path, "--steps", "1")
+    assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "run.csv").exists() and not (tmp_path / "run.pt").exists()
+
+
+@pytest.mark.parametrize("resume", [None, b"not a resume file", "wrong keys"])
+def test_a_missing_or_corrupt_resume_file_gets_one_line(tmp_path, resume):
+    (tmp_path / "corpus.txt").write_text("The game is afoot, Watson! Come, the hansom waits. " * 400)
+    if resume == "wrong keys":
+        torch.save({"model": {}}, tmp_path / "run.resume.pt")
+    elif resume is not None:
+        (tmp_path / "run.resume.pt").write_bytes(resume)
+    run = train(tmp_path, "--steps", "2", "--resume")
+    assert run.returncode == 1 and "--resume: " in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1

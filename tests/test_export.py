@@ -1,0 +1,146 @@
+"""export.py: the Hugging Face folder computes what model.py computes, and speaks bpe.py's ids."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_model import PART3_CONFIG, part3_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from bpe import BPE
+from cached import CachedGPT, load
+from export import SAMPLE, load_folder, rope_layout, write_folder
+from model import Config, save_checkpoint
+
+ODD_TEXTS = [
+    SAMPLE,
+    "Crème brûlée à la façon de Zoë, señor Müller",
+    "東京で会いましょう。北京欢迎你。서울",
+    "Thumbs 👍🏽 family 👨‍👩‍👧‍👦 flags 🇬🇧 heart ❤️",
+    "e\u0301 combining a\u0308\u0304 marks and Z\u0351\u0364lgo",
+    "  two  spaces,   three,\n\n\nnewlines\t\ttabs \r\n end   ",
+    "I'll, you've, she's, they're, we'd, I'm, can't, DON'T, o'clock",
+    "Numbers 1895, 3.14159, 221B Baker Street; $5 & 10% off!?",
+]
+
+
+def small_bpe(vocab_size):
+    """A tokenizer of exactly vocab_size tokens, trained on text like the corpus."""
+    return BPE.train(" ".join(ODD_TEXTS) * 20, vocab_size)
+
+
+def exported(tmp_path_factory, model, bpe, name):
+    path = tmp_path_factory.mktemp(name)
+    write_folder(model, bpe, path)
+    return load_folder(path)
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    model, bpe = load("holmes.pt"), BPE.load("tokenizer.json")
+    return model, bpe, *exported(tmp_path_factory, model, bpe, "holmes-hf")
+
+
+@pytest.fixture(scope="module", params=["part3", "gqa"])
+def small(request, tmp_path_factory):
+    """A Part 3 checkpoint written by independent test code, and a GQA one written by this repo."""
+    path = tmp_path_factory.mktemp("ckpt") / "model.pt"
+    if request.param == "part3":
+        cfg = dict(PART3_CONFIG, vocab_size=300, d_model=64, n_layers=2)
+        torch.save({"model": part3_state_dict(cfg), "config": cfg, "step": 0}, path)
+    else:
+        torch.manual_seed(0)
+        save_checkpoint(CachedGPT(Config(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2)), path, 0)
+    model, bpe = load(path), small_bpe(300)
+    return model, bpe, *exported(tmp_path_factory, model, bpe, request.param)
+
+
+def logits_difference(model, hf):
+    idx = torch.randint(model.cfg.vocab_size, (2, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (hf(idx).logits - model(idx)[0]).abs().max().item()
+
+
+def test_the_shipped_checkpoints_logits_agree_within_1e_4(shipped):
+    model, _, hf, _ = shipped
+    assert logits_difference(model, hf) < 1e-4
+
+
+def test_part3_and_gqa_checkpoints_logits_agree_within_1e_4(small):
+    model, _, hf, _ = small
+    assert logits_difference(model, hf) < 1e-4
+
+
+def test_transformers_greedy_generate_is_cached_pys_for_100_tokens(shipped):
+    model, bpe, hf, _ = shipped
+    prompt = torch.tensor([bpe.encode("It was a dark night, and Holmes")])
+    with torch.no_grad():
+        theirs = hf.generate(prompt, max_new_tokens=100, min_new_tokens=100, do_sample=False, pad_token_id=0)
+    assert torch.equal(theirs, model.generate_cached(prompt, 100))
+
+
+@pytest.mark.parametrize("text", ODD_TEXTS)
+def test_the_fast_tokenizer_gives_bpe_pys_ids_and_decodes_back(shipped, text):
+    _, bpe, _, tokenizer = shipped
+    ids = tokenizer(text)["input_ids"]
+    assert ids == bpe.encode(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_a_small_tokenizer_agrees_too(small):
+    _, bpe, _, tokenizer = small
+    for text in ODD_TEXTS:
+        assert tokenizer(text)["input_ids"] == bpe.encode(text)
+
+
+def test_the_rope_layout_puts_evens_first_then_odds():
+    assert rope_layout(8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def run_export(*args):
+    return subprocess.run([sys.executable, "export.py", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_writes_a_folder_transformers_loads_and_reports_each_check(tmp_path):
+    out = tmp_path / "holmes-hf"
+    run = run_export("holmes.pt", out)
+    assert run.returncode == 0, run.stderr
+    assert "largest difference from model.py" in run.stdout and "the same tokens as cached.py" in run.stdout
+    assert "ids equal bpe.py's" in run.stdout
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "gpt_neox"
+    assert AutoTokenizer.from_pretrained(out)("Holmes")["input_ids"] == BPE.load("tokenizer.json").encode("Holmes")
+
+
+def test_break_layout_really_moves_the_logits_and_keeps_nothing(tmp_path):
+    run = run_export("holmes.pt", tmp_path / "out", "--break", "layout")
+    assert run.returncode == 0, run.stderr
+    moved = float(run.stdout.split("largest difference from model.py ")[1].split()[0])
+    assert moved > 1.0 and "parts from cached.py after" in run.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_folder_is_not_touched_without_force(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    run = run_export("holmes.pt", out)
+    assert run.returncode == 1 and "exists and is not empty; pass --force" in run.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+    run = run_export("holmes.pt", out, "--force")
+    assert run.returncode == 0, run.stderr
+    assert not (out / "notes.txt").exists() and (out / "config.json").exists()
+
+
+def test_a_tokenizer_of_another_size_is_refused_naming_both(tmp_path):
+    small_bpe(300).save(tmp_path / "small.json")
+    run = run_export("holmes.pt", tmp_path / "out", "--tokenizer", tmp_path / "small.json")
+    assert run.returncode == 1 and "small.json has 300 tokens but holmes.pt a vocabulary of 4096" in run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_missing_checkpoint_is_the_one_line_error_of_the_other_scripts(tmp_path):
+    run = run_export(tmp_path / "nope.pt", tmp_path / "out")
+    assert run.returncode == 1
+    assert run.stderr.strip() == f"export.py: error: checkpoint {tmp_path / 'nope.pt'} not found; " \
+                                 "pass a Part 3 .pt file or train one"

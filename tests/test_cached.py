@@ -5,9 +5,10 @@ import sys
 import pytest
 import torch
 
+import cached
 import model as model_py
 from cached import CachedGPT, LayerCache, TrimAfter, drift, exact_tokens, load
-from model import GPT, Config, rope_at, save_checkpoint
+from model import GPT, Config, rope_at, run_cli, save_checkpoint
 from prefill_clone import KVCache
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
@@ -207,11 +208,19 @@ def hostile_checkpoint(path, kind):
     ("None context", "config context is None"),
     ("weight not a tensor", "'norm.bias' is a list, not a tensor"),
 ])
-def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message):
+def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message, monkeypatch):
     hostile_checkpoint(tmp_path / "h.pt", kind)
-    run = subprocess.run([sys.executable, "cached.py", str(tmp_path / "h.pt")], capture_output=True, text=True)
-    assert run.returncode == 1 and run.stdout == "" and "Traceback" not in run.stderr
-    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert message in one_line_exit(monkeypatch, "cached.py", str(tmp_path / "h.pt"))
+
+
+def one_line_exit(monkeypatch, *argv):
+    """Run cached.py's main in this process; the one-line message it exits with (status 1)."""
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises(SystemExit) as exit:
+        run_cli(cached.main)
+    assert isinstance(exit.value.code, str) and len(exit.value.code.splitlines()) == 1
+    assert exit.value.code.startswith("cached.py: error: ")
+    return exit.value.code
 
 
 @pytest.mark.parametrize("content, message", [
@@ -220,9 +229,6 @@ def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message):
      '[263, 263], [264, 264], [265, 265], [266, 266], [267, 267]]}', "builds a token of 8,192 bytes"),
     ('{"merges": [[1, "a"]]}', "merge 0 is [1, 'a'], expected a pair of integer ids"),
 ])
-def test_hostile_tokenizer_files_get_one_line_and_exit_1(tmp_path, content, message):
+def test_hostile_tokenizer_files_get_one_line_and_exit_1(tmp_path, content, message, monkeypatch):
     (tmp_path / "t.json").write_text(content)
-    run = subprocess.run([sys.executable, "cached.py", "--tokenizer", str(tmp_path / "t.json")],
-                         capture_output=True, text=True)
-    assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert message in one_line_exit(monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "t.json"))

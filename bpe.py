@@ -11,7 +11,6 @@ trains a tokenizer on a text file, checks the round trip and writes the file.
 """
 import heapq
 import json
-import operator
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ from collections import Counter
 
 import regex
 
-from model import Parser, check_new_file, run_cli
+from model import Parser, as_id, check_new_file, run_cli
 
 MAX_MERGES = 65536 - 256  # ids must fit uint16, as Part 3's training stores them
 MAX_TOKEN_BYTES = 4096  # far above any real merge list; stops a file that would build gigabyte tokens
@@ -125,19 +124,7 @@ class BPE:
         return out
 
     def decode(self, ids):
-        return b"".join(self.vocab[self._id(i)] for i in ids).decode("utf-8", errors="replace")
-
-    def _id(self, i):
-        """An integer-like id (not a bool) inside the vocabulary, as an int."""
-        try:
-            if isinstance(i, bool):
-                raise TypeError
-            i = operator.index(i)
-        except TypeError:
-            raise ValueError(f"token id {i!r} is not an integer") from None
-        if not 0 <= i < self.vocab_size:
-            raise ValueError(f"token id {i!r} is outside the vocabulary (0..{self.vocab_size - 1})")
-        return i
+        return b"".join(self.vocab[as_id(i, "token id", self.vocab_size)] for i in ids).decode("utf-8", errors="replace")
 
     @classmethod
     def train(cls, text, vocab_size, progress=False):

@@ -12,6 +12,7 @@ ln(vocab_size), as it must be for a model that has learnt nothing yet.
 import argparse
 import functools
 import math
+import operator
 import os
 import sys
 import time
@@ -206,6 +207,19 @@ class GPT(nn.Module):
 def check_count(name, n):
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"{name} must be a whole number >= 0, got {n!r}")
+
+
+def as_id(token, what, limit, within="the vocabulary"):
+    """An integer-like (int, numpy or 0-d tensor integer; not a bool) in 0..limit-1, as an int."""
+    try:
+        if isinstance(token, bool):
+            raise TypeError
+        token = operator.index(token)
+    except TypeError:
+        raise ValueError(f"{what} {token!r} is not an integer id") from None
+    if not 0 <= token < limit:
+        raise ValueError(f"{what} {token!r} is outside {within} 0..{limit - 1}")
+    return token
 
 
 def device_from(name):

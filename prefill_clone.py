@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cached import encode_prompt, load_pair
-from model import Parser, check_count, run_cli, show_progress, weights_left
+from model import Parser, as_id, check_count, run_cli, show_progress, weights_left
 from sampling import check_history, check_knobs, draw
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
@@ -215,19 +215,6 @@ class RowState:
     completed: bool = False
 
 
-def as_id(token, what, limit, within="the vocabulary"):
-    """An integer-like (int, numpy or 0-d tensor integer; not a bool) in 0..limit-1, as an int."""
-    try:
-        if isinstance(token, bool):
-            raise TypeError
-        token = operator.index(token)
-    except TypeError:
-        raise ValueError(f"{what} {token!r} is not an integer id") from None
-    if not 0 <= token < limit:
-        raise ValueError(f"{what} {token!r} is outside {within} 0..{limit - 1}")
-    return token
-
-
 class Engine:
     """Generate N rows from one prompt: one prefill (cloned by default), then one decode step per token.
 
@@ -243,7 +230,10 @@ class Engine:
         self.rows, self.busy = [], False
 
     def _row_settings(self, num_samples, seed, knobs):
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * num_samples
+        if isinstance(seed, (list, tuple)):
+            seeds = [as_id(s, "seed", 2**64, "the seeds") for s in seed]
+        else:  # row i draws with seed + i
+            seeds = [as_id(seed, "seed", 2**64 - num_samples + 1, "the seeds") + i for i in range(num_samples)]
         settings = knobs.pop("settings", None)
         if settings is not None and knobs:
             raise ValueError(f"give the knobs either shared ({sorted(knobs)}) or per row in settings, not both")
@@ -256,9 +246,6 @@ class Engine:
             if unknown:
                 raise ValueError(f"unknown sampling knob {unknown[0]!r}; the knobs are {KNOBS}")
             check_knobs(**s)
-        seeds = [as_id(s, "seed", 2**64, "the seeds") + (0 if isinstance(seed, (list, tuple)) else i) for i, s in enumerate(seeds)]
-        if max(seeds) >= 2**64:
-            raise ValueError(f"seed + row must stay below 2**64, got {max(seeds)}")
         device = self.model.emb.weight.device
         return [torch.Generator(device).manual_seed(s) for s in seeds], settings
 
@@ -315,6 +302,8 @@ class Engine:
             raise ValueError("this Engine is already generating; finish or close that generator, or use another Engine")
         self.busy, self.rows = True, rows
         try:
+            if max_tokens == 0:
+                return
             device = self.model.emb.weight.device
             prompt = torch.tensor([rows[0].tokens], device=device)
             logits, cache = self.prefill(self.model, prompt, len(rows), max_len)

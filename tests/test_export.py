@@ -7,10 +7,11 @@ import torch
 from test_model import PART3_CONFIG, part3_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import export
 from bpe import BPE
 from cached import CachedGPT, load
 from export import SAMPLE, load_folder, rope_layout, write_folder
-from model import Config, save_checkpoint
+from model import Config, run_cli, save_checkpoint
 
 ODD_TEXTS = [
     SAMPLE,
@@ -101,6 +102,15 @@ def run_export(*args):
     return subprocess.run([sys.executable, "export.py", *map(str, args)], capture_output=True, text=True)
 
 
+def one_line_exit(monkeypatch, *args):
+    """Run export.py's main in this process; the one-line message it exits with (status 1)."""
+    monkeypatch.setattr(sys, "argv", ["export.py", *map(str, args)])
+    with pytest.raises(SystemExit) as exit:
+        run_cli(export.main)
+    assert isinstance(exit.value.code, str) and len(exit.value.code.splitlines()) == 1
+    return exit.value.code
+
+
 def test_cli_writes_a_folder_transformers_loads_and_reports_each_check(tmp_path):
     out = tmp_path / "holmes-hf"
     run = run_export("holmes.pt", out)
@@ -120,27 +130,24 @@ def test_break_layout_really_moves_the_logits_and_keeps_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_existing_folder_is_not_touched_without_force(tmp_path):
+def test_an_existing_folder_is_not_touched_without_force(tmp_path, monkeypatch):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    run = run_export("holmes.pt", out)
-    assert run.returncode == 1 and "exists and is not empty; pass --force" in run.stderr
+    assert "exists and is not empty; pass --force" in one_line_exit(monkeypatch, "holmes.pt", out)
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
     run = run_export("holmes.pt", out, "--force")
     assert run.returncode == 0, run.stderr
     assert not (out / "notes.txt").exists() and (out / "config.json").exists()
 
 
-def test_a_tokenizer_of_another_size_is_refused_naming_both(tmp_path):
+def test_a_tokenizer_of_another_size_is_refused_naming_both(tmp_path, monkeypatch):
     small_bpe(300).save(tmp_path / "small.json")
-    run = run_export("holmes.pt", tmp_path / "out", "--tokenizer", tmp_path / "small.json")
-    assert run.returncode == 1 and "small.json has 300 tokens but holmes.pt a vocabulary of 4096" in run.stderr
-    assert "Traceback" not in run.stderr and not (tmp_path / "out").exists()
+    message = one_line_exit(monkeypatch, "holmes.pt", tmp_path / "out", "--tokenizer", tmp_path / "small.json")
+    assert "small.json has 300 tokens but holmes.pt a vocabulary of 4096" in message
+    assert not (tmp_path / "out").exists()
 
 
-def test_a_missing_checkpoint_is_the_one_line_error_of_the_other_scripts(tmp_path):
-    run = run_export(tmp_path / "nope.pt", tmp_path / "out")
-    assert run.returncode == 1
-    assert run.stderr.strip() == f"export.py: error: checkpoint {tmp_path / 'nope.pt'} not found; " \
-                                 "pass a Part 3 .pt file or train one"
+def test_a_missing_checkpoint_is_the_one_line_error_of_the_other_scripts(tmp_path, monkeypatch):
+    assert one_line_exit(monkeypatch, tmp_path / "nope.pt", tmp_path / "out") == \
+        f"export.py: error: checkpoint {tmp_path / 'nope.pt'} not found; pass a Part 3 .pt file or train one"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train as train_module
-from model import load_checkpoint
+from model import check_new_file, load_checkpoint
 from train import lr_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,9 +110,16 @@ def test_existing_outputs_are_kept_unless_forced_and_the_shipped_ones_never_touc
                          cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 1 and "holmes.pt already exists" in run.stderr
     assert all(open(os.path.join(ROOT, n), "rb").read() == b for n, b in shipped.items())
-    run = train(tmp_path, "--steps", "1", "--eval-batches", "1", "--force")
-    assert run.returncode == 0, run.stderr
-    assert torch.load(tmp_path / "run.pt", weights_only=True)["step"] == 1
+
+
+def test_force_lets_a_file_be_replaced_and_a_missing_folder_is_named(tmp_path):
+    (tmp_path / "run.pt").write_bytes(b"old")
+    check_new_file(tmp_path / "run.pt", force=True)
+    check_new_file(tmp_path / "new.pt", force=False)
+    with pytest.raises(ValueError, match="run.pt already exists; pass --force"):
+        check_new_file(tmp_path / "run.pt", force=False)
+    with pytest.raises(ValueError, match="the folder .*missing does not exist"):
+        check_new_file(tmp_path / "missing" / "run.pt", force=True)
 
 
 @pytest.mark.parametrize("corpus, message", [

@@ -26,7 +26,7 @@ import torch
 
 from cached import CachedGPT
 from model import Config, Parser, check_new_file, device_from, run_cli, weights_left
-from prefill_clone import Engine, KVCache, cloned_prefill, prefill, separate_prefills, sync, timed_generation
+from prefill_clone import Engine, cloned_prefill, prefill, separate_prefills, sync, timed_generation
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50)
 QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), steps=5)
@@ -98,7 +98,8 @@ def table_decode(model, device, sizes, runs, out):
 def table_memory(device, out):
     print("\n1. cache memory at 256 tokens, batch 1, fp32: 2 (k, v) x layers x tokens x kv width x 4 bytes")
     for name, cfg in (("Part 3 (4 heads)", Config()), ("GQA (4 q heads, 1 kv head)", Config(n_kv_heads=1))):
-        cache = KVCache(1, cfg.n_layers, 256, cfg.n_kv_heads, cfg.head_dim, device=device)
+        model = CachedGPT(cfg).to(device).eval()
+        _, cache = prefill(model, torch.zeros(1, 256, dtype=torch.long, device=device), 256)  # what a prompt fills
         formula = 2 * cfg.n_layers * 256 * cfg.n_kv_heads * cfg.head_dim * 4
         out.append({"config": name, "measured_bytes": cache.nbytes(), "formula_bytes": formula})
         print(f"  {name:<28} measured {cache.nbytes() / 2**20:.2f} MiB, formula {formula / 2**20:.2f} MiB")

@@ -25,7 +25,6 @@ how far the logits move and where greedy text parts, and keeps nothing.
 """
 import os
 import shutil
-import sys
 import tempfile
 
 import torch

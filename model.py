@@ -1,8 +1,11 @@
 """The Part 3 GPT: pre-norm blocks, RoPE attention, a head tied to the embedding.
 
 Module names, state-dict keys, init and checkpoint format are Part 3's, so a
-Part 3 checkpoint loads here with strict=True. One addition: Config.n_kv_heads
-(grouped-query attention), which defaults to n_heads and then changes nothing.
+Part 3 checkpoint loads here with strict=True, and what save_checkpoint writes
+loads in Part 3's own code. Two additions that change nothing unless asked
+for: Config.n_kv_heads (grouped-query attention; default n_heads) and
+Linear's switchable matmul order (weights_left; default off). The one RoPE,
+rope_at(x, start), serves Part 3 (start=0) and every cached step.
 
     python model.py
 
@@ -205,7 +208,7 @@ class GPT(nn.Module):
 
 
 def check_count(name, n):
-    if not isinstance(n, int) or n < 0:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"{name} must be a whole number >= 0, got {n!r}")
 
 

@@ -23,7 +23,7 @@ import torch
 
 from cached import encode_prompt, load_pair
 from model import Parser, as_id, check_count, run_cli, show_progress, weights_left
-from sampling import check_history, check_knobs, draw
+from sampling import check_knobs, draw
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "

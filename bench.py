@@ -19,13 +19,12 @@ as a share of the median). Rows print as they are measured:
 import json
 import os
 import platform
-import sys
 import time
 
 import torch
 
 from cached import CachedGPT
-from model import Config, Parser, check_new_file, device_from, run_cli, weights_left
+from model import Config, Parser, check_new_file, device_from, run_cli, show_progress, weights_left
 from prefill_clone import Engine, cloned_prefill, prefill, separate_prefills, sync, timed_generation
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50)
@@ -40,16 +39,14 @@ def median(xs):
 def measure(fn, runs, device, warmup=None, label=""):
     """Median and spread (half range / median) of fn's wall time over runs, after a warm-up."""
     (warmup or fn)()
-    times = []
+    times, started = [], time.time()
     for i in range(runs):
-        eta = f", ETA {(runs - i) * times[-1]:.0f}s" if times else ""
-        print(f"\r  {label} run {i + 1}/{runs}{eta}   ", end="", file=sys.stderr, flush=True)
         sync(device)
         t0 = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
-    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+        show_progress(f"  {label} runs", i + 1, runs, started)
     mid = median(times)
     return mid, (max(times) - min(times)) / 2 / mid
 

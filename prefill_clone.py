@@ -30,6 +30,11 @@ DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom hea
                   "under any other name.")
 
 
+def cache_bytes(batch, n_layers, max_len, n_kv_heads, head_dim, dtype=torch.float32):
+    """The post's formula: 2 (k and v) x layers x tokens x kv width x bytes per value, per row."""
+    return 2 * n_layers * batch * max_len * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
 def check_fits(nbytes, what, device):
     """Refuse, before allocating, what would take more than half of this machine's memory."""
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -41,7 +46,7 @@ def check_fits(nbytes, what, device):
 class KVCache:
     def __init__(self, batch, n_layers, max_len, n_kv_heads, head_dim, context=None, dtype=torch.float32,
                  device="cpu"):
-        check_fits(2 * n_layers * batch * max_len * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8,
+        check_fits(cache_bytes(batch, n_layers, max_len, n_kv_heads, head_dim, dtype),
                    f"a cache of {batch} rows x {max_len} positions", device)
         # nanochat's shape as a view of head-major storage: each head's keys are then one
         # contiguous block, which is what attention reads every step (2x faster at batch 16 on a CPU).
@@ -218,10 +223,10 @@ class RowState:
 class Engine:
     """Generate N rows from one prompt: one prefill (cloned by default), then one decode step per token.
 
-    weights_left: run the decode steps' Linear layers as W @ rows.T (model.weights_left), off by
-    default: faster or slower depending on the CPU's BLAS and the batch (bench.py times both). cuda_graph: replay each decode step as a CUDA graph (on a CPU the
-    same graph-safe step runs eagerly). prefill: how the N rows get the prompt (cloned_prefill or
-    separate_prefills).
+    weights_left: run the decode steps' Linear layers as W @ rows.T (model.weights_left); off by
+    default, as it is faster or slower with the CPU's BLAS and the batch (bench.py times both).
+    cuda_graph: replay each decode step as a CUDA graph (on a CPU the same graph-safe step runs
+    eagerly). prefill: how the N rows get the prompt (cloned_prefill or separate_prefills).
     """
 
     def __init__(self, model, tokenizer=None, weights_left=False, cuda_graph=False, prefill=cloned_prefill):
@@ -284,9 +289,10 @@ class Engine:
             raise ValueError(f"num_samples must be a whole number >= 1, got {num_samples}")
         if max_tokens is not None:
             check_count("max_tokens", max_tokens)
-        max_len, cfg = cache_len(self.model, len(tokens), max_tokens), self.model.cfg
-        check_fits(num_samples * (2 * cfg.n_layers * max_len * cfg.n_kv_heads * cfg.head_dim + 2 * cfg.vocab_size) * 4,
-                   f"{num_samples} rows of {max_len} positions", self.model.emb.weight.device)
+        max_len, cfg, w = cache_len(self.model, len(tokens), max_tokens), self.model.cfg, self.model.emb.weight
+        # before the rows' own state is built: a batch too big for memory is refused here, with its size
+        check_fits(cache_bytes(num_samples, cfg.n_layers, max_len, cfg.n_kv_heads, cfg.head_dim, w.dtype),
+                   f"a cache of {num_samples} rows x {max_len} positions", w.device)
         generators, settings = self._row_settings(num_samples, seed, knobs)
         stops_at = self._stop_rule(stop)
         forced = [[]] * num_samples if forced is None else list(forced)

@@ -96,10 +96,13 @@ def read_resume(path, device):
         state = torch.load(path, map_location=device, weights_only=True)
         with open(path.replace(".resume.pt", ".csv"), newline="") as f:
             rows = list(csv.reader(f))[1:]
-        return state, rows, [state[k] for k in ("model", "optimizer", "generator", "step", "best_val", "elapsed")]
+        missing = [k for k in ("model", "optimizer", "generator", "step", "best_val", "elapsed") if k not in state]
     except Exception as e:
         raise ValueError(f"--resume: {path} or its CSV log cannot be read ({type(e).__name__}); "
                          "start again without --resume") from None
+    if missing:
+        raise ValueError(f"--resume: {path} lacks {missing[0]!r}; start again without --resume")
+    return state, rows
 
 
 def random_states(device):
@@ -158,16 +161,17 @@ def main():
 
     rows = []
     if resumed:
-        state, rows, (weights, optimizer, generator, start, best_val, elapsed) = resumed
+        state, rows = resumed
         try:
-            model.load_state_dict(weights)
-            opt.load_state_dict(optimizer)
-            gen.set_state(generator)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            gen.set_state(state["generator"])
         except Exception as e:
             raise ValueError(f"--resume: {name}.resume.pt does not fit this run ({type(e).__name__})") from None
         for rng, key in random_states(device):
             if key in state:  # dropout's draws; resume files from before they were kept go on without them
                 rng.set_rng_state(state[key].cpu())
+        start, best_val, elapsed = state["step"], state["best_val"], state["elapsed"]
         print(f"resuming at step {start} (best val {best_val:.3f})", file=sys.stderr)
 
     t0, tokens = time.time(), 0

@@ -17,14 +17,14 @@ as a share of the median). Rows print as they are measured:
    and the Engine with each decode step a CUDA-graph replay, at batch 1 and 16.
 """
 import json
-import os
 import platform
 import time
 
 import torch
 
 from cached import CachedGPT
-from model import Config, Parser, check_new_file, device_from, run_cli, show_progress, weights_left
+from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
+from model import Config, weights_left
 from prefill_clone import Engine, cloned_prefill, prefill, separate_prefills, sync, timed_generation
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50)
@@ -228,7 +228,7 @@ def main():
     if args.runs < 3:
         raise ValueError(f"--runs must be at least 3 (figures are medians), got {args.runs}")
     if args.json:
-        check_new_file(args.json, args.force)
+        check_output(args.json, args.force)
     sizes = QUICK if args.quick else FULL
 
     torch.manual_seed(0)
@@ -244,9 +244,8 @@ def main():
     table_decode(model, device, sizes, args.runs, report["decode"])
     table_cuda(model, device, sizes, args.runs, report["cuda"])
     if args.json:
-        with open(f"{args.json}.tmp", "w") as f:
+        with atomic_write(args.json, "w") as f:
             json.dump(report, f, indent=1)
-        os.replace(f"{args.json}.tmp", args.json)
         print(f"\nwrote {args.json}")
 
 

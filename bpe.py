@@ -9,16 +9,16 @@ tokenizer.json written by Part 1 loads and encodes here unchanged.
 
 trains a tokenizer on a text file, checks the round trip and writes the file.
 """
+import hashlib
 import heapq
 import json
-import os
 import sys
 import time
 from collections import Counter
 
 import regex
 
-from model import Parser, as_id, check_new_file, run_cli
+from cli import Parser, as_id, atomic_write, check_output, run_cli
 
 MAX_MERGES = 65536 - 256  # ids must fit uint16, as Part 3's training stores them
 MAX_TOKEN_BYTES = 4096  # far above any real merge list; stops a file that would build gigabyte tokens
@@ -68,6 +68,11 @@ class BPE:
     def vocab_size(self):
         return len(self.vocab)
 
+    def record(self):
+        """What a checkpoint keeps of the tokenizer it was trained with: a hash of the merges."""
+        merges = json.dumps([list(m) for m in self.merges], separators=(",", ":"))
+        return {"sha256": hashlib.sha256(merges.encode()).hexdigest(), "vocab_size": self.vocab_size}
+
     @classmethod
     def load(cls, path):
         try:
@@ -100,9 +105,8 @@ class BPE:
 
     def save(self, path):
         """Part 1's format, through a temporary file and a rename: a cut write leaves the old file whole."""
-        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+        with atomic_write(path, "w", encoding="utf-8") as f:
             json.dump({"merges": [list(m) for m in self.merges]}, f)
-        os.replace(f"{path}.tmp", path)
 
     def _encode_chunk(self, chunk):
         ids = self._chunk_cache.get(chunk)
@@ -196,7 +200,7 @@ def main():
             text = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"corpus {args.corpus} not found") from None
-    check_new_file(args.out, args.force)
+    check_output(args.out, args.force)
 
     t0 = time.time()
     bpe = BPE.train(text, args.vocab, progress=True)

@@ -27,18 +27,8 @@ import time
 import torch
 
 from bpe import BPE
-from model import (
-    GPT,
-    Block,
-    Parser,
-    RoPEAttention,
-    check_count,
-    greedy,
-    load_checkpoint,
-    rope_at,
-    run_cli,
-    show_progress,
-)
+from cli import Parser, check_count, run_cli, show_progress
+from model import GPT, Block, RoPEAttention, check_finite, greedy, load_checkpoint, rope_at
 
 
 class LayerCache:
@@ -135,7 +125,7 @@ class CachedGPT(GPT):
             logits = self.step(prompt, caches, 0)  # prefill: the whole prompt in one pass
         pos = prompt.shape[1]
         for i in range(n_tokens):
-            nxt = pick(logits, idx)[:, None]
+            nxt = pick(check_finite(logits, i), idx)[:, None]
             idx = torch.cat([idx, nxt], dim=1)
             if i + 1 < n_tokens:  # the last token needs no step: nothing reads its logits
                 logits = self.step(nxt, caches, pos)

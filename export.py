@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, GPT
 from transformers.utils import logging
 
 from cached import first_difference, load_pair
-from model import Parser, run_cli
+from cli import Parser, run_cli
 
 SAMPLE = ("To Sherlock Holmes she is always the woman. \"You have been in Afghanistan, I perceive,\" "
           "said he. It's a capital mistake to theorize before one has data.\n\n    Café, naïve, 1895!")

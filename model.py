@@ -12,13 +12,10 @@ rope_at(x, start), serves Part 3 (start=0) and every cached step.
 prints the parameter budget and checks that the untrained loss is close to
 ln(vocab_size), as it must be for a model that has learnt nothing yet.
 """
-import argparse
 import functools
 import math
-import operator
 import os
 import sys
-import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -26,6 +23,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from cli import atomic_write, check_count, check_fits, check_input, device_from
 
 
 @dataclass
@@ -41,11 +40,17 @@ class Config:
     def __post_init__(self):
         if self.n_kv_heads == 0:
             self.n_kv_heads = self.n_heads
+        sizes = {f: getattr(self, f) for f in ("vocab_size", "d_model", "n_heads", "n_layers", "context", "n_kv_heads")}
+        bad = next((f for f, v in sizes.items() if type(v) is not int or v < 1), None)
+        if bad:
+            raise ValueError(f"config {bad} is {sizes[bad]!r}; expected a whole number >= 1")
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must divide by n_heads ({self.n_heads}) "
                 f"and n_heads by n_kv_heads ({self.n_kv_heads})"
             )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim d_model / n_heads = {self.head_dim} is odd; RoPE turns channel pairs")
 
     @property
     def head_dim(self):
@@ -164,6 +169,14 @@ def greedy(logits, idx):
     return logits.argmax(dim=-1)
 
 
+def check_finite(logits, n):
+    """Stop at the step whose scores are NaN or infinite: no token can be chosen honestly from them."""
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"the model's scores for new token {n} are NaN or infinite (its weights overflow); "
+                         "no token can be chosen from them")
+    return logits
+
+
 class GPT(nn.Module):
     block = Block
 
@@ -203,49 +216,23 @@ class GPT(nn.Module):
     def generate(self, idx, n_tokens, pick=greedy):
         """Part 3's loop: rerun the last `context` tokens for every new token."""
         check_count("n_tokens", n_tokens)
-        for _ in range(n_tokens):
+        for n in range(n_tokens):
             logits, _ = self(idx[:, -self.cfg.context:])
-            idx = torch.cat((idx, pick(logits[:, -1], idx)[:, None]), dim=1)
+            idx = torch.cat((idx, pick(check_finite(logits[:, -1], n), idx)[:, None]), dim=1)
         return idx
 
 
-def check_count(name, n):
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"{name} must be a whole number >= 0, got {n!r}")
-
-
-def as_id(token, what, limit, within="the vocabulary"):
-    """An integer-like (int, numpy or 0-d tensor integer; not a bool) in 0..limit-1, as an int."""
-    try:
-        if isinstance(token, bool):
-            raise TypeError
-        token = operator.index(token)
-    except TypeError:
-        raise ValueError(f"{what} {token!r} is not an integer id") from None
-    if not 0 <= token < limit:
-        raise ValueError(f"{what} {token!r} is outside {within} 0..{limit - 1}")
-    return token
-
-
-def device_from(name):
-    """A torch.device for 'cpu', 'cuda' or 'cuda:N', refusing what this machine lacks."""
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU here; use 'cpu'")
-        return torch.device(name)
-    raise ValueError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
+MAX_CHECKPOINT_BYTES = 2**34  # 16 GiB: a model this repo can run on a laptop is far smaller
 
 
 def read_checkpoint(path):
     """The checkpoint's dict, loaded as data (weights_only), or a one-line error."""
+    check_input(path, "checkpoint", MAX_CHECKPOINT_BYTES, "pass a Part 3 .pt file or train one")
+    check_fits(os.path.getsize(path), f"checkpoint {path}", "cpu")
     try:
         with warnings.catch_warnings():  # torch's pickle-protocol warning would break the one-line error
             warnings.simplefilter("ignore")
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint {path} not found; pass a Part 3 .pt file or train one") from None
     except Exception as e:
         if "Weights only load failed" in str(e):
             raise ValueError(f"{path} is not a plain-tensor checkpoint: it is not a torch.save file, or it holds "
@@ -254,14 +241,27 @@ def read_checkpoint(path):
         raise ValueError(f"{path} is not a loadable checkpoint ({first_line})") from None
     if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict) and isinstance(ckpt.get("config"), dict)):
         raise ValueError(f"{path} is not a Part 3 checkpoint: expected a dict with 'model' (state dict) and 'config'")
+    for part in ("model", "config"):
+        odd = next((k for k in ckpt[part] if not isinstance(k, str)), None)
+        if odd is not None:
+            raise ValueError(f"{path}: its {part} dict has a key {odd!r} that is not a name; "
+                             "is this a Part 3 checkpoint?")
     return ckpt
 
 
 PART3_FIELDS = ("vocab_size", "d_model", "n_heads", "n_layers", "context", "dropout")
+MODULE_BYTES = 2**16  # what the Python objects of one block cost beyond its weights, roughly
+
+
+def parameter_count(cfg):
+    """The weights a Config asks for (tied head counted once), computed without building anything."""
+    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    block = d * (d + 2 * kv) + d * d + 2 * (4 * d * d) + 4 * d + d + 4 * d
+    return cfg.vocab_size * d + cfg.n_layers * block + 2 * d
 
 
 def config_from(d, path="checkpoint"):
-    """A Config from a checkpoint's config dict, each field checked by name."""
+    """A Config from a checkpoint's config dict, each field checked by name, and a model that fits memory."""
     known = [f.name for f in fields(Config)]
     unknown = sorted(set(d) - set(known))
     if unknown:
@@ -272,32 +272,49 @@ def config_from(d, path="checkpoint"):
                 raise ValueError(f"{path}: config dropout is {value!r}; expected a number in [0, 1)")
         elif type(value) is not int or value < (0 if name == "n_kv_heads" else 1):
             raise ValueError(f"{path}: config {name} is {value!r}; expected a whole number >= 1")
-    return Config(**d)
+    try:
+        cfg = Config(**d)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    check_fits(4 * parameter_count(cfg) + MODULE_BYTES * cfg.n_layers,
+               f"{path}: the model its config describes ({cfg.n_layers} layers of width {cfg.d_model}, "
+               f"vocabulary {cfg.vocab_size})", "cpu")
+    return cfg
 
 
-def load_checkpoint(path, device="cpu", cls=GPT):
-    """A model from a Part 3 checkpoint, in eval mode on `device`."""
-    device = device_from(device) if isinstance(device, str) else device
-    ckpt = read_checkpoint(path)
-    model = cls(config_from(ckpt["config"], path))
-    expected, given = model.state_dict(), ckpt["model"]
-    for key, tensor in expected.items():
-        if key not in given:
+def check_weights(given, expected, path):
+    """Every weight the model needs, a dense finite float tensor of the right shape, and no other."""
+    for key, want in expected.items():
+        got = given.get(key)
+        if got is None:
             raise ValueError(f"{path}: weight {key!r} is missing; is this a Part 3 checkpoint?")
-        if not isinstance(given[key], torch.Tensor):
-            raise ValueError(f"{path}: weight {key!r} is a {type(given[key]).__name__}, not a tensor")
-        if tuple(given[key].shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{path}: weight {key!r} has shape {tuple(given[key].shape)} "
-                f"but the config needs {tuple(tensor.shape)}"
-            )
-        if not given[key].is_floating_point() or not torch.isfinite(given[key]).all():
+        if not isinstance(got, torch.Tensor):
+            raise ValueError(f"{path}: weight {key!r} is a {type(got).__name__}, not a tensor")
+        if got.layout != torch.strided or got.is_meta:
+            raise ValueError(f"{path}: weight {key!r} is a {got.layout} {got.device.type} tensor; "
+                             "a checkpoint holds dense tensors with values")
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(f"{path}: weight {key!r} has shape {tuple(got.shape)} "
+                             f"but the config needs {tuple(want.shape)}")
+        if not got.is_floating_point() or not torch.isfinite(got).all():
             raise ValueError(f"{path}: weight {key!r} holds NaN, infinite or non-float values; "
                              "this checkpoint cannot give meaningful output")
     extra = sorted(set(given) - set(expected))
     if extra:
         raise ValueError(f"{path}: unexpected weight {extra[0]!r}; is this a Part 3 checkpoint?")
-    model.load_state_dict(given, strict=True)
+
+
+def load_checkpoint(path, device="cpu", cls=GPT):
+    """A model from a Part 3 checkpoint, in eval mode on `device`; config and weights checked
+    (against a model built on the meta device, which allocates nothing) before anything is built."""
+    device = device_from(device) if isinstance(device, str) else device
+    ckpt = read_checkpoint(path)
+    cfg = config_from(ckpt["config"], path)
+    with torch.device("meta"):
+        expected = cls(cfg).state_dict()
+    check_weights(ckpt["model"], expected, path)
+    model = cls(cfg)
+    model.load_state_dict(ckpt["model"], strict=True)
     return model.to(device).eval()
 
 
@@ -308,44 +325,14 @@ def part3_config(cfg):
     return d | ({"n_kv_heads": cfg.n_kv_heads} if cfg.n_kv_heads != cfg.n_heads else {})
 
 
-def save_checkpoint(model, path, step):
-    """Part 3's checkpoint format, written to a temporary file and renamed, so a cut run leaves no half file."""
-    tmp = f"{path}.tmp"
-    torch.save({"model": model.state_dict(), "config": part3_config(model.cfg), "step": step}, tmp)
-    os.replace(tmp, path)
+def save_checkpoint(model, path, step, tokenizer=None):
+    """Part 3's checkpoint format, through a new temporary file and a rename, so a cut run leaves no half file.
 
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose complaints are one line and a non-zero exit, like every other error here."""
-
-    def error(self, message):
-        sys.exit(f"{self.prog}: error: {message} (see --help)")
-
-
-def show_progress(label, done, total, started):
-    """One updating line on stderr: how far, and an ETA; cleared once done == total."""
-    eta = (time.time() - started) / done * (total - done)
-    end = "\r" + " " * 72 + "\r" if done == total else ""
-    print(f"\r{label}: {done:,}/{total:,}, ETA {eta:.0f}s ", end=end, file=sys.stderr, flush=True)
-
-
-def check_new_file(path, force, flag="--force"):
-    """Before any long work: refuse to replace `path` unless told, or to write into a missing folder."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"cannot write {path}: the folder {folder} does not exist")
-    if os.path.exists(path) and not force:
-        raise ValueError(f"{path} already exists; pass {flag} to replace it")
-
-
-def run_cli(main):
-    """Run a script's main; bad input becomes one line on stderr and exit status 1."""
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
-    except MemoryError:
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: out of memory; ask for fewer rows or tokens")
+    tokenizer: what bpe.BPE.record() says of the tokenizer it was trained with; kept beside
+    the config, not in it, so Part 3's loader still reads the file."""
+    ckpt = {"model": model.state_dict(), "config": part3_config(model.cfg), "step": step}
+    with atomic_write(path) as f:
+        torch.save(ckpt | ({"tokenizer": tokenizer} if tokenizer else {}), f)
 
 
 def main():

@@ -14,15 +14,16 @@ prints N samples, then time to first token and total time of the clone path
 against N separate prefills of the same prompt, measured side by side.
 """
 import operator
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from bpe import utf8_bytes
 from cached import encode_prompt, load_pair
-from model import Parser, as_id, check_count, run_cli, show_progress, weights_left
+from cli import Parser, as_id, check_count, check_fits, run_cli, show_progress
+from model import check_finite, weights_left
 from sampling import check_knobs, draw
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
@@ -35,17 +36,18 @@ def cache_bytes(batch, n_layers, max_len, n_kv_heads, head_dim, dtype=torch.floa
     return 2 * n_layers * batch * max_len * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def check_fits(nbytes, what, device):
-    """Refuse, before allocating, what would take more than half of this machine's memory."""
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if torch.device(device).type == "cpu" and nbytes > have // 2:
-        raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than half of this machine's "
-                         f"{have / 2**30:.1f} GiB; ask for fewer rows or tokens")
-
-
 class KVCache:
     def __init__(self, batch, n_layers, max_len, n_kv_heads, head_dim, context=None, dtype=torch.float32,
                  device="cpu"):
+        sizes = dict(batch=batch, n_layers=n_layers, max_len=max_len, n_kv_heads=n_kv_heads, head_dim=head_dim)
+        bad = next((k for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1), None)
+        if bad:
+            raise ValueError(f"KVCache {bad} must be a whole number >= 1, got {sizes[bad]!r}")
+        if context is not None and max_len > context:
+            # the ring keeps max_len positions and attention reads them all; past the context that
+            # would be keys the model never saw together in training
+            raise ValueError(f"a cache of {max_len} positions is longer than the context ({context}); "
+                             f"use max_len <= {context}: past it the cache is a ring")
         check_fits(cache_bytes(batch, n_layers, max_len, n_kv_heads, head_dim, dtype),
                    f"a cache of {batch} rows x {max_len} positions", device)
         # nanochat's shape as a view of head-major storage: each head's keys are then one
@@ -233,6 +235,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.weights_left, self.cuda_graph, self.prefill = weights_left, cuda_graph, prefill
         self.rows, self.busy = [], False
+        self.vocab_size = model.cfg.vocab_size
 
     def _row_settings(self, num_samples, seed, knobs):
         if isinstance(seed, (list, tuple)):
@@ -256,14 +259,18 @@ class Engine:
 
     def _stop_rule(self, stop):
         stops = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
-        texts = [s for s in stops if isinstance(s, str)]
-        ids = {as_id(s, "stop token id", self.model.cfg.vocab_size) for s in stops if not isinstance(s, str)}
+        texts = [utf8_bytes(s) for s in stops if isinstance(s, str)]
+        ids = {as_id(s, "stop token id", self.vocab_size) for s in stops if not isinstance(s, str)}
         if texts and self.tokenizer is None:
             raise ValueError("stop strings need Engine(model, tokenizer)")
+        if b"" in texts:
+            raise ValueError("a stop string is empty; it would end every row at once")
 
         def stops_at(row, token):
+            # A stop text of L bytes first appears ending in the newest token, and spans at most
+            # the last L tokens (each is at least one byte): match those tokens' bytes, at any length.
             new = row.tokens[row.n_prompt:]
-            return token in ids or any(t in self.tokenizer.decode(new[-16:]) for t in texts)
+            return token in ids or any(t in b"".join(self.tokenizer.vocab[i] for i in new[-len(t):]) for t in texts)
         return stops_at
 
     def sample(self, logits, history, generators, settings):
@@ -296,8 +303,8 @@ class Engine:
         generators, settings = self._row_settings(num_samples, seed, knobs)
         stops_at = self._stop_rule(stop)
         forced = [[]] * num_samples if forced is None else list(forced)
-        if len(forced) != num_samples:
-            raise ValueError(f"forced is a list of {len(forced)}, but num_samples is {num_samples}")
+        if len(forced) != num_samples or not all(isinstance(f, (list, tuple)) for f in forced):
+            raise ValueError(f"forced must be one list of ids per row ({num_samples} lists), got {forced!r:.60}")
         rows = [RowState(list(tokens), len(tokens), deque(as_id(t, f"forced token for row {i}:", vocab) for t in f))
                 for i, f in enumerate(forced)]
         return self._run(rows, generators, settings, stops_at, max_tokens, max_len)
@@ -319,15 +326,16 @@ class Engine:
             history = prompt.expand(len(rows), -1)
             pos = prompt.shape[1]
             for n in range(1, max_tokens + 1 if max_tokens is not None else 2**63):
-                sampled = self.sample(logits, history, generators, settings).tolist()
+                sampled = self.sample(check_finite(logits, n - 1), history, generators, settings).tolist()
                 column, masks = [], []
-                for row, token in zip(rows, sampled):
+                for i, (row, token) in enumerate(zip(rows, sampled)):
                     if row.completed:
                         column.append(None)
                         masks.append(None)
                         continue
                     is_forced = bool(row.forced_tokens)
-                    token = row.forced_tokens.popleft() if is_forced else token
+                    if is_forced:  # checked here too: forced_tokens may have been appended to between steps
+                        token = as_id(row.forced_tokens.popleft(), f"forced token for row {i}:", self.vocab_size)
                     row.tokens.append(token)
                     row.completed = stops_at(row, token)
                     column.append(token)
@@ -347,6 +355,8 @@ class Engine:
         """Run generate to the end; return each row's new tokens and their masks.
 
         progress: a label, to show a progress line on stderr (needs max_tokens)."""
+        if progress and kwargs.get("max_tokens") is None:
+            raise ValueError("a progress line needs max_tokens, to know how far the run has to go")
         steps = self.generate(tokens, num_samples, **kwargs)  # every input checked before the first step
         n, started = operator.index(num_samples), time.time()
         results, masks = [[] for _ in range(n)], [[] for _ in range(n)]

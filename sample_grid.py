@@ -8,7 +8,7 @@ setting gives alone, and every run on the CPU prints the same text.
 """
 
 from cached import encode_prompt, load_pair
-from model import Parser, check_count, run_cli
+from cli import Parser, check_count, run_cli
 from prefill_clone import Engine
 
 SETTINGS = {

@@ -18,6 +18,7 @@ import time
 import torch
 
 MIN_TEMPERATURE = 1e-4  # below it, scores divided by the temperature can overflow float32
+PENALTY_RANGE = (1e-4, 1e4)  # beyond it, a penalized score can overflow float32 or become -inf
 
 
 def check_knobs(temperature=1.0, top_k=0, top_p=1.0, penalty=1.0):
@@ -30,26 +31,30 @@ def check_knobs(temperature=1.0, top_k=0, top_p=1.0, penalty=1.0):
         raise ValueError(f"top_k must be a whole number >= 0 (0 means off), got {top_k!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 means off), got {top_p}")
-    if not penalty > 0:
-        raise ValueError(f"penalty must be > 0 (1 means off), got {penalty}")
+    if not PENALTY_RANGE[0] <= penalty <= PENALTY_RANGE[1]:
+        raise ValueError(f"penalty must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}] (1 means off), got {penalty}")
+
+
+ID_DTYPES = (torch.int64, torch.int32)  # not bool or uint8: those are masks and bytes, not ids
 
 
 def check_history(logits, history):
     """history as a (B or 1, T) tensor of ids the logits' vocabulary has."""
     history = torch.as_tensor(history, device=logits.device)
-    if history.dim() != 2 or history.shape[0] not in (1, logits.shape[0]) or history.is_floating_point():
-        raise ValueError(f"history must be integer ids shaped (1, T) or ({logits.shape[0]}, T) for "
-                         f"{logits.shape[0]} rows, got {history.dtype} {tuple(history.shape)}")
+    if history.dim() != 2 or history.shape[0] not in (1, logits.shape[0]) or history.dtype not in ID_DTYPES:
+        raise ValueError(f"history must be integer ids (int64 or int32) shaped (1, T) or ({logits.shape[0]}, T) "
+                         f"for {logits.shape[0]} rows, got {history.dtype} {tuple(history.shape)}")
     vocab = logits.shape[-1]
     if history.numel() and (history.min() < 0 or history.max() >= vocab):
         raise ValueError(f"history holds ids outside the vocabulary 0..{vocab - 1}")
-    return history
+    return history.long()
 
 
 def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None, generator=None):
     """One token per row (B,) from scores (B, vocab); every input checked first."""
     check_knobs(temperature, top_k, top_p, penalty)
-    if not (isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.is_floating_point()):
+    if not (isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.is_floating_point()
+            and logits.shape[0] > 0 and logits.shape[1] > 0):
         raise ValueError(f"logits must be a float tensor (B, vocab), got {getattr(logits, 'shape', type(logits))}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits hold NaN or infinite scores; no token can be chosen honestly from them")
@@ -60,7 +65,7 @@ def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None,
 
 def draw(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None, generator=None):
     """pick without its checks, for the loops that checked their inputs once, before the first token."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64: no overflow
     vocab = logits.shape[-1]
     if history is not None and penalty != 1.0:
         history = history.expand(logits.shape[0], -1)
@@ -76,9 +81,12 @@ def draw(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None,
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the tokens ranked above it reach p; the top token always survives.
+        # Drop a token once the tokens ranked above it reach p; the top token always survives,
+        # even for a top_p too small for the scores' precision.
         above = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(above >= top_p, float("-inf"))
+        drop = above >= top_p
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from bpe import BPE
-from model import GPT, Config, Parser, check_new_file, device_from, run_cli, save_checkpoint
+from cli import Parser, atomic_write, check_output, device_from, run_cli
+from model import GPT, Config, save_checkpoint
 
 BATCH = 32
 
@@ -45,8 +46,8 @@ def load_ids(corpus, tokenizer_path):
     ids = np.array(tokenizer.encode(text), dtype=np.uint16)
     print(f"tokenized {len(raw):,} bytes into {len(ids):,} tokens in {time.time() - t0:.1f}s", file=sys.stderr)
     os.makedirs("data", exist_ok=True)
-    np.save(f"{cache}.tmp.npy", ids)
-    os.replace(f"{cache}.tmp.npy", cache)
+    with atomic_write(cache) as f:
+        np.save(f, ids)
     return ids
 
 
@@ -83,9 +84,8 @@ def evaluate(model, splits, context, n_batches, device, autocast):
 
 def write_csv(path, rows):
     """The whole log, through a temporary file and a rename: a cut write leaves the old log whole."""
-    with open(f"{path}.tmp", "w", newline="") as f:
+    with atomic_write(path, "w", newline="") as f:
         csv.writer(f).writerows([["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"], *rows])
-    os.replace(f"{path}.tmp", path)
 
 
 def read_resume(path, device):
@@ -131,7 +131,7 @@ def main():
     name = args.out.removesuffix(".pt")
     if not args.resume:
         for path in (f"{name}.pt", f"{name}.csv"):
-            check_new_file(path, args.force, "--force (or --resume to go on from it)")
+            check_output(path, args.force, "--force (or --resume to go on from it)")
     resumed = read_resume(f"{name}.resume.pt", device) if args.resume else None
     use_bf16 = device.type == "cuda" or args.bf16
 
@@ -204,10 +204,10 @@ def main():
             if val_loss < best_val:
                 best_val = val_loss
                 save_checkpoint(model, f"{name}.pt", done)
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                        **{key: rng.get_rng_state() for rng, key in random_states(device)},
-                        "step": done, "best_val": best_val, "elapsed": total_time}, f"{name}.resume.pt.tmp")
-            os.replace(f"{name}.resume.pt.tmp", f"{name}.resume.pt")
+            with atomic_write(f"{name}.resume.pt") as f:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                            **{key: rng.get_rng_state() for rng, key in random_states(device)},
+                            "step": done, "best_val": best_val, "elapsed": total_time}, f)
     print(f"best val loss {best_val:.3f}; checkpoint {name}.pt, log {name}.csv", file=sys.stderr)
 
 

@@ -8,7 +8,8 @@ import torch
 import cached
 import model as model_py
 from cached import CachedGPT, LayerCache, TrimAfter, drift, exact_tokens, load
-from model import GPT, Config, rope_at, run_cli, save_checkpoint
+from cli import run_cli
+from model import GPT, Config, rope_at, save_checkpoint
 from prefill_clone import KVCache
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)

@@ -11,7 +11,8 @@ import export
 from bpe import BPE
 from cached import CachedGPT, load
 from export import SAMPLE, load_folder, rope_layout, write_folder
-from model import Config, run_cli, save_checkpoint
+from cli import run_cli
+from model import Config, save_checkpoint
 
 ODD_TEXTS = [
     SAMPLE,

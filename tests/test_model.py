@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from dataclasses import dataclass
 
-from model import GPT, Config, device_from, load_checkpoint, save_checkpoint
+from cli import device_from
+from model import GPT, Config, load_checkpoint, save_checkpoint
 
 PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}
 

@@ -7,7 +7,8 @@ import torch
 
 from cached import CachedGPT, LayerCache
 import prefill_clone
-from model import Config, run_cli, weights_left
+from cli import run_cli
+from model import Config, weights_left
 from prefill_clone import Engine, KVCache, cloned_prefill, prefill, separate_prefills
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)

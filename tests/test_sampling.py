@@ -76,7 +76,8 @@ def test_a_generator_makes_draws_reproducible():
     ({"top_k": -1}, "top_k must be a whole number >= 0"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-    ({"penalty": 0.0}, "penalty must be > 0"),
+    ({"penalty": 0.0}, r"penalty must be in \[0.0001, 10000\]"),
+    ({"penalty": 1e-300}, r"penalty must be in \[0.0001, 10000\]"),
     ({"history": [[0, 10]]}, "outside the vocabulary 0..9"),
     ({"history": [[-1]]}, "outside the vocabulary 0..9"),
 ])
@@ -106,9 +107,9 @@ def test_pick_returns_one_id_per_row_for_the_posts_loops():
     (torch.zeros(2, 10, dtype=torch.long), None, "logits must be a float tensor"),
     (torch.tensor([[0.0, float("nan")]]), None, "NaN or infinite"),
     (torch.full((1, 4), float("-inf")), None, "NaN or infinite"),
-    (torch.zeros(4, 10), torch.zeros(2, 3, dtype=torch.long), r"history must be integer ids shaped \(1, T\) or \(4, T\)"),
-    (torch.zeros(4, 10), torch.zeros(3, dtype=torch.long), "history must be integer ids shaped"),
-    (torch.zeros(4, 10), torch.zeros(4, 3), "history must be integer ids shaped"),
+    (torch.zeros(4, 10), torch.zeros(2, 3, dtype=torch.long), r"history must be integer ids \(int64 or int32\) shaped \(1, T\) or \(4, T\)"),
+    (torch.zeros(4, 10), torch.zeros(3, dtype=torch.long), "history must be integer ids"),
+    (torch.zeros(4, 10), torch.zeros(4, 3), "history must be integer ids"),
 ])
 def test_pick_refuses_inputs_it_would_have_to_guess_at(logits, history, message):
     with pytest.raises(ValueError, match=message):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import train as train_module
-from model import check_new_file, load_checkpoint
+from cli import check_output
+from model import load_checkpoint
 from train import lr_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,12 +115,12 @@ def test_existing_outputs_are_kept_unless_forced_and_the_shipped_ones_never_touc
 
 def test_force_lets_a_file_be_replaced_and_a_missing_folder_is_named(tmp_path):
     (tmp_path / "run.pt").write_bytes(b"old")
-    check_new_file(tmp_path / "run.pt", force=True)
-    check_new_file(tmp_path / "new.pt", force=False)
+    check_output(tmp_path / "run.pt", force=True)
+    check_output(tmp_path / "new.pt", force=False)
     with pytest.raises(ValueError, match="run.pt already exists; pass --force"):
-        check_new_file(tmp_path / "run.pt", force=False)
+        check_output(tmp_path / "run.pt", force=False)
     with pytest.raises(ValueError, match="the folder .*missing does not exist"):
-        check_new_file(tmp_path / "missing" / "run.pt", force=True)
+        check_output(tmp_path / "missing" / "run.pt", force=True)
 
 
 @pytest.mark.parametrize("corpus, message", [

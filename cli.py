@@ -1,0 +1,198 @@
+"""What every script shares at its edges: one-line errors, safe files, a progress line.
+
+Not part of the model: model.py, cached.py and the rest import these so that bad
+input ends as one line on stderr and a non-zero exit, an existing file is never
+replaced unless told, every write goes through a new temporary file and a rename,
+and long work shows how far it is without flooding a log.
+"""
+import argparse
+import operator
+import os
+import signal
+import stat
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose complaints are one line and a non-zero exit, like every other error here."""
+
+    def error(self, message):
+        sys.exit(f"{self.prog}: error: {message} (see --help)")
+
+
+def interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_cli(main):
+    """Run a script's main; bad input becomes one line on stderr and exit status 1.
+
+    SIGTERM is turned into KeyboardInterrupt, so a killed run unwinds like Ctrl-C: every
+    atomic_write in progress removes its temporary file on the way out.
+    """
+    name = os.path.basename(sys.argv[0])
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        sys.exit(f"{name}: interrupted; nothing half-written was left behind")
+    except (ValueError, OSError) as e:
+        sys.exit(f"{name}: error: {e}")
+    except (MemoryError, RuntimeError) as e:
+        # under a process memory limit torch's allocator raises RuntimeError, not MemoryError
+        if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("allocate", "out of memory")):
+            raise
+        sys.exit(f"{name}: error: out of memory; ask for fewer rows or tokens, or a smaller model")
+
+
+def check_count(name, n):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{name} must be a whole number >= 0, got {n!r}")
+
+
+def as_id(token, what, limit, within="the vocabulary"):
+    """An integer-like (int, numpy or 0-d tensor integer; not a bool) in 0..limit-1, as an int."""
+    try:
+        if isinstance(token, bool) or (isinstance(token, torch.Tensor) and token.dtype == torch.bool):
+            raise TypeError
+        token = operator.index(token)
+    except TypeError:
+        raise ValueError(f"{what} {token!r} is not an integer id") from None
+    if not 0 <= token < limit:
+        raise ValueError(f"{what} {token!r} is outside {within} 0..{limit - 1}")
+    return token
+
+
+def device_from(name):
+    """A torch.device for 'cpu', 'cuda' or 'cuda:N', refusing what this machine lacks."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU here; use 'cpu'")
+        if torch.device(name).index is not None and torch.device(name).index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
+        return torch.device(name)
+    raise ValueError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
+
+
+def free_memory(device):
+    """Bytes this process may still allocate on `device`: the GPU's free memory, or the machine's RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(nbytes, what, device):
+    """Refuse, before allocating, what would take more than half of the memory `device` has."""
+    have = free_memory(device)
+    if nbytes > have // 2:
+        kind = "GPU memory" if torch.device(device).type == "cuda" else "memory"
+        raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than half of this machine's "
+                         f"{have / 2**30:.1f} GiB of {kind}; ask for fewer rows or tokens")
+
+
+def check_input(path, what, max_bytes, hint=""):
+    """A path to read: an existing regular file of at most max_bytes, never a FIFO or a device that
+    would block or never end. Returns its size."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"{what}: give a file path, got {path!r}")
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path} not found{'; ' + hint if hint else ''}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{what} {path} is a folder; give a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{what} {path} is not a regular file (a pipe or a device?); give a file")
+    if info.st_size > max_bytes:
+        raise ValueError(f"{what} {path} is {info.st_size / 2**20:,.0f} MiB, more than the "
+                         f"{max_bytes / 2**20:,.0f} MiB such a file can sensibly be")
+    return info.st_size
+
+
+def check_output(path, force=False, flag="--force"):
+    """Before any long work: `path` can be written, and replaces nothing unless told.
+
+    Refuses an empty path, a folder, a missing or unwritable folder (tried by creating and
+    removing a temporary file there, which is the only test that also holds for root and
+    read-only mounts), and an existing file without `flag`.
+    """
+    path = os.fspath(path)
+    if not path:
+        raise ValueError("the output path is empty; give a file name")
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write {path}: it is a folder; give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {path}: the folder {folder} does not exist")
+    if os.path.lexists(path) and not force:
+        raise ValueError(f"{path} already exists; pass {flag} to replace it")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(f"cannot write {path}: the folder {folder} is not writable ({e.strerror})") from None
+    return path
+
+
+@contextmanager
+def atomic_write(path, mode="wb", **open_args):
+    """Write `path` through a new, unique temporary file beside it, renamed into place on success.
+
+    The temporary file is created exclusively (O_EXCL: never through an existing file or a
+    link), and removed if the body fails or is interrupted, so a cut write leaves whatever
+    `path` held before. A link at `path` itself is replaced, never written through.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, mode, **open_args) as f:
+            yield f
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+PROGRESS = {"started": None, "shown": 0.0, "drawn": False}
+QUIET_FOR = 2.0  # seconds of work that need no progress line at all
+REDRAW_EVERY = 0.25  # a terminal line, redrawn at most this often
+LOG_EVERY = 10.0  # a plain line in a log file or pipe, at most this often
+
+
+def show_progress(label, done, total, started, note=""):
+    """How far `done` of `total` is, with an ETA, on stderr: one function for every script.
+
+    In a terminal, one line that updates a few times a second and is cleared once
+    done == total. In a file or a pipe (a CI log, docker logs), a plain line every
+    LOG_EVERY seconds. Work shorter than QUIET_FOR seconds shows nothing.
+    """
+    now, state = time.time(), PROGRESS
+    if state["started"] != started:
+        state.update(started=started, shown=started, drawn=False)
+    tty = sys.stderr.isatty()
+    if done >= total:
+        if state["drawn"] and tty:
+            print("\r" + " " * 79 + "\r", end="", file=sys.stderr, flush=True)
+        state.update(started=None, drawn=False)
+        return
+    elapsed = now - started
+    if elapsed < QUIET_FOR or now - state["shown"] < (REDRAW_EVERY if tty else LOG_EVERY):
+        return
+    eta = elapsed / max(done, 1) * (total - done)
+    line = f"{label}: {done:,}/{total:,}{', ' + note if note else ''}, ETA {eta:.0f}s"
+    print(f"\r{line[:78]} " if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+    state.update(shown=now, drawn=True)

@@ -162,11 +162,19 @@ def exact_tokens(context, n_prompt):
 
 
 def load_pair(checkpoint, tokenizer_path, device="cpu"):
-    """The model and its tokenizer, refusing a pair whose vocabularies differ in size."""
+    """The model and its tokenizer, refusing a tokenizer other than the one the checkpoint records,
+    or, for a checkpoint that records none (Part 3's), one whose vocabulary differs in size."""
     model, tokenizer = load(checkpoint, device), BPE.load(tokenizer_path)
     if tokenizer.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but {checkpoint} a vocabulary of "
                          f"{model.cfg.vocab_size}; give the tokenizer this checkpoint was trained with (--tokenizer)")
+    trained_with = model.trained_with
+    if trained_with is None:
+        print(f"note: {checkpoint} does not record its tokenizer; assuming {tokenizer_path} (--tokenizer)",
+              file=sys.stderr)
+    elif not isinstance(trained_with, dict) or trained_with.get("sha256") != tokenizer.record()["sha256"]:
+        raise ValueError(f"{tokenizer_path} is not the tokenizer {checkpoint} was trained with (their merges differ); "
+                         "give the right one with --tokenizer")
     return model, tokenizer
 
 

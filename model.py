@@ -315,6 +315,7 @@ def load_checkpoint(path, device="cpu", cls=GPT):
     check_weights(ckpt["model"], expected, path)
     model = cls(cfg)
     model.load_state_dict(ckpt["model"], strict=True)
+    model.trained_with = ckpt.get("tokenizer")  # what save_checkpoint recorded of the tokenizer, if anything
     return model.to(device).eval()
 
 

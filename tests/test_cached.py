@@ -1,4 +1,5 @@
 """cached.py: the KV cache changes nothing while the uncached loop sees the whole text, and each gotcha breaks it."""
+import json
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import torch
 
 import cached
 import model as model_py
+from bpe import BPE
 from cached import CachedGPT, LayerCache, TrimAfter, drift, exact_tokens, load
 from cli import run_cli
 from model import GPT, Config, rope_at, save_checkpoint
@@ -53,7 +55,7 @@ def test_rope_at_with_one_start_per_row_rotates_each_row_at_its_own_position():
     x = torch.randn(3, 4, 1, 16)
     got = rope_at(x, torch.tensor([0, 5, 260]))
     for row, start in enumerate((0, 5, 260)):
-        torch.testing.assert_close(got[row], rope_at(x[row:row + 1], start)[0])
+        torch.testing.assert_close(got[row], reference_rope(x[row], torch.tensor([start])), atol=1e-4, rtol=1e-4)
 
 
 def test_cached_model_loads_part3_weights_unchanged(random_model):
@@ -234,3 +236,47 @@ def one_line_exit(monkeypatch, *argv):
 def test_hostile_tokenizer_files_get_one_line_and_exit_1(tmp_path, content, message, monkeypatch):
     (tmp_path / "t.json").write_text(content)
     assert message in one_line_exit(monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "t.json"))
+
+
+def overflowing_checkpoint(path):
+    """Finite weights whose scores overflow: a last MLP bias of 3e38 turns the residual stream infinite."""
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=4096, d_model=64, n_heads=4, n_layers=2, context=32))
+    with torch.no_grad():
+        model.blocks[-1].mlp[2].bias.fill_(3e38)
+    save_checkpoint(model, path, 0)
+
+
+def test_scores_that_overflow_stop_the_cached_loop_at_the_first_token(tmp_path, monkeypatch):
+    overflowing_checkpoint(tmp_path / "o.pt")
+    message = one_line_exit(monkeypatch, "cached.py", str(tmp_path / "o.pt"))
+    assert "scores for new token 0 are NaN or infinite" in message
+
+
+@pytest.mark.parametrize("generate", ["generate_cached", "generate_uncached"])
+def test_every_loop_refuses_non_finite_scores_where_they_appear(tmp_path, generate):
+    overflowing_checkpoint(tmp_path / "o.pt")
+    model = load(tmp_path / "o.pt")
+    with pytest.raises(ValueError, match="scores for new token 0 are NaN or infinite"):
+        getattr(model, generate)(torch.zeros(1, 3, dtype=torch.long), 5)
+
+
+def test_a_tokenizer_other_than_the_recorded_one_is_refused_even_at_the_same_size(tmp_path, monkeypatch):
+    merges = json.load(open("tokenizer.json"))["merges"]
+    merges[-1] = [32, 32] if merges[-1] != [32, 32] else [33, 33]
+    (tmp_path / "other.json").write_text(json.dumps({"merges": merges}))
+    message = one_line_exit(monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "other.json"))
+    assert "other.json is not the tokenizer holmes.pt was trained with" in message
+
+
+def test_a_checkpoint_without_a_tokenizer_record_says_which_tokenizer_it_assumed(tmp_path, capsys):
+    torch.manual_seed(0)
+    save_checkpoint(CachedGPT(Config(vocab_size=4096, d_model=64, n_layers=2, context=32)), tmp_path / "p3.pt", 0)
+    model, _ = cached.load_pair(tmp_path / "p3.pt", "tokenizer.json")
+    assert model.trained_with is None
+    assert capsys.readouterr().err.strip() == \
+        f"note: {tmp_path / 'p3.pt'} does not record its tokenizer; assuming tokenizer.json (--tokenizer)"
+
+
+def test_the_shipped_checkpoint_records_the_shipped_tokenizer(shipped):
+    assert shipped.trained_with == BPE.load("tokenizer.json").record()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dataclasses import dataclass
 
 from cli import device_from
-from model import GPT, Config, load_checkpoint, save_checkpoint
+from model import GPT, Config, load_checkpoint, parameter_count, save_checkpoint
 
 PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}
 
@@ -183,9 +183,15 @@ def test_the_shipped_checkpoint_holds_part3_fields_only():
     (dict(vocab_size=True), "config vocab_size is True"),
     (dict(dropout=2.0), r"config dropout is 2.0; expected a number in \[0, 1\)"),
     (dict(d_model=250), "d_model .250. must divide by n_heads"),
+    (dict(d_model=12), "head_dim d_model / n_heads = 3 is odd; RoPE turns channel pairs"),
+    (dict(n_kv_heads=3), r"n_heads by n_kv_heads \(3\)"),
+    (dict(d_model=65536), r"c.pt: the model its config describes \(6 layers of width 65536.* needs .* GiB"),
+    (dict(n_layers=10**7), r"c.pt: the model its config describes \(10000000 layers.* needs .* GiB"),
+    (dict(vocab_size=2**40), "needs .* GiB, more than half of this machine's"),
+    ({1: 2}, "its config dict has a key 1 that is not a name"),
 ])
 def test_bad_config_values_are_named(tmp_path, change, message):
-    torch.save({"model": {}, "config": dict(PART3_CONFIG, **change), "step": 0}, tmp_path / "c.pt")
+    torch.save({"model": {}, "config": PART3_CONFIG | change, "step": 0}, tmp_path / "c.pt")
     with pytest.raises(ValueError, match=message):
         load_checkpoint(tmp_path / "c.pt")
 
@@ -194,10 +200,13 @@ def test_bad_config_values_are_named(tmp_path, change, message):
     (float("nan"), "holds NaN, infinite or non-float values"),
     (float("inf"), "holds NaN, infinite or non-float values"),
     ("not a tensor", "is a str, not a tensor"),
+    (torch.zeros(256).to_sparse(), "is a torch.sparse_coo cpu tensor; a checkpoint holds dense tensors"),
+    (torch.zeros(256, device="meta"), "is a torch.strided meta tensor; a checkpoint holds dense tensors"),
+    (torch.zeros(256, dtype=torch.long), "holds NaN, infinite or non-float values"),
 ])
 def test_weights_that_are_not_finite_tensors_are_refused(tmp_path, poison, message):
     sd = part3_state_dict(PART3_CONFIG)
-    if isinstance(poison, str):
+    if isinstance(poison, (str, torch.Tensor)):
         sd["blocks.1.norm2.bias"] = poison
     else:
         sd["blocks.1.norm2.bias"][3] = poison
@@ -266,3 +275,24 @@ def test_devices_are_checked():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             device_from("cuda")
+
+
+@pytest.mark.parametrize("cfg", [Config(), Config(n_kv_heads=1), Config(vocab_size=300, d_model=64, n_layers=2)])
+def test_the_memory_check_counts_the_weights_the_model_really_has(cfg):
+    assert parameter_count(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused(tmp_path):
+    sd = part3_state_dict(PART3_CONFIG) | {7: torch.zeros(1)}
+    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "k.pt")
+    with pytest.raises(ValueError, match="its model dict has a key 7 that is not a name"):
+        load_checkpoint(tmp_path / "k.pt")
+
+
+def test_a_huge_config_in_a_tiny_file_is_one_line_from_a_script_before_anything_is_built(tmp_path):
+    torch.save({"model": {}, "config": dict(PART3_CONFIG, d_model=65536), "step": 0}, tmp_path / "huge.pt")
+    assert (tmp_path / "huge.pt").stat().st_size < 2000
+    run = subprocess.run([sys.executable, "cached.py", str(tmp_path / "huge.pt")], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert "the model its config describes" in run.stderr

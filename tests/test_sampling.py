@@ -107,9 +107,13 @@ def test_pick_returns_one_id_per_row_for_the_posts_loops():
     (torch.zeros(2, 10, dtype=torch.long), None, "logits must be a float tensor"),
     (torch.tensor([[0.0, float("nan")]]), None, "NaN or infinite"),
     (torch.full((1, 4), float("-inf")), None, "NaN or infinite"),
-    (torch.zeros(4, 10), torch.zeros(2, 3, dtype=torch.long), r"history must be integer ids \(int64 or int32\) shaped \(1, T\) or \(4, T\)"),
+    (torch.zeros(4, 10), torch.zeros(2, 3, dtype=torch.long), r"ids \(int64 or int32\) shaped \(1, T\) or \(4, T\)"),
     (torch.zeros(4, 10), torch.zeros(3, dtype=torch.long), "history must be integer ids"),
     (torch.zeros(4, 10), torch.zeros(4, 3), "history must be integer ids"),
+    (torch.zeros(4, 10), torch.zeros(4, 3, dtype=torch.bool), "history must be integer ids .* got torch.bool"),
+    (torch.zeros(4, 10), torch.zeros(4, 3, dtype=torch.uint8), "history must be integer ids .* got torch.uint8"),
+    (torch.zeros(0, 10), None, r"logits must be a float tensor \(B, vocab\)"),
+    (torch.zeros(2, 0), None, r"logits must be a float tensor \(B, vocab\)"),
 ])
 def test_pick_refuses_inputs_it_would_have_to_guess_at(logits, history, message):
     with pytest.raises(ValueError, match=message):
@@ -120,3 +124,23 @@ def test_a_one_row_history_applies_to_every_row():
     scores = torch.tensor([[2.0, 1.5], [2.0, 1.5]])
     assert pick(scores, temperature=0, penalty=2.0, history=[[0]]).tolist() == [1, 1]
     assert pick(scores, temperature=0, penalty=2.0, history=[[0], [1]]).tolist() == [1, 0]
+
+
+def test_float64_scores_beyond_float32s_range_keep_their_order():
+    scores = torch.tensor([[1e39, 3e39, 2e39]], dtype=torch.float64)
+    assert pick(scores, temperature=0).item() == 1
+    assert pick(scores, top_k=1, generator=G().manual_seed(0)).item() == 1
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-300])
+def test_a_top_p_below_float32s_precision_is_exactly_argmax(top_p):
+    scores = torch.randn(64, 100, generator=G().manual_seed(3))
+    assert torch.equal(pick(scores, top_p=top_p, generator=G().manual_seed(0)), scores.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("penalty", [1e-4, 1e4])
+def test_the_penalty_range_ends_still_give_a_token_from_real_scores(penalty):
+    scores = torch.randn(8, 100, generator=G().manual_seed(4)) * 20
+    history = torch.arange(100).expand(8, -1)
+    tokens = pick(scores, penalty=penalty, history=history, generator=G().manual_seed(0))
+    assert tokens.shape == (8,) and bool(((0 <= tokens) & (tokens < 100)).all())

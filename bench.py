@@ -17,6 +17,7 @@ as a share of the median). Rows print as they are measured:
    and the Engine with each decode step a CUDA-graph replay, at batch 1 and 16.
 """
 import json
+import os
 import platform
 import time
 
@@ -222,8 +223,8 @@ def main():
     args = ap.parse_args()
     device = device_from(args.device)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"THREADS must be at least 1, got {args.threads}")
+        if not 1 <= args.threads <= os.cpu_count():
+            raise ValueError(f"THREADS must be in 1..{os.cpu_count()} (this machine's cores), got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.runs < 3:
         raise ValueError(f"--runs must be at least 3 (figures are medians), got {args.runs}")

@@ -1,5 +1,6 @@
 """bench.py: every figure is measured and present; the CUDA-graph path's logic holds on the CPU."""
 import json
+import os
 import subprocess
 import sys
 
@@ -45,7 +46,10 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["gpu"], "unknown device 'gpu'"),
-    (["cpu", "0"], "THREADS must be at least 1, got 0"),
+    (["cpu", "0"], f"THREADS must be in 1..{os.cpu_count()} (this machine's cores), got 0"),
+    (["cpu", "100000"], f"THREADS must be in 1..{os.cpu_count()} (this machine's cores), got 100000"),
+    (["cpu", "--json", ""], "the output path is empty"),
+    (["cpu", "--json", "."], "cannot write .: it is a folder"),
     (["cpu", "--fast"], "unrecognized arguments: --fast"),
     (["cpu", "--runs", "2"], "--runs must be at least 3"),
 ] + ([] if torch.cuda.is_available() else [(["cuda"], "no CUDA GPU")]))

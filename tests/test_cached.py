@@ -1,5 +1,6 @@
 """cached.py: the KV cache changes nothing while the uncached loop sees the whole text, and each gotcha breaks it."""
 import json
+import os
 import subprocess
 import sys
 
@@ -280,3 +281,12 @@ def test_a_checkpoint_without_a_tokenizer_record_says_which_tokenizer_it_assumed
 
 def test_the_shipped_checkpoint_records_the_shipped_tokenizer(shipped):
     assert shipped.trained_with == BPE.load("tokenizer.json").record()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: os.mkfifo(d / "fifo.pt") or d / "fifo.pt", "is not a regular file (a pipe or a device?)"),
+    (lambda d: "/dev/zero", "is not a regular file (a pipe or a device?)"),
+    (lambda d: d, "is a folder; give a file"),
+])
+def test_a_checkpoint_that_would_block_or_never_end_is_refused_without_reading_it(tmp_path, monkeypatch, make, message):
+    assert message in one_line_exit(monkeypatch, "cached.py", str(make(tmp_path)))

@@ -294,3 +294,69 @@ def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, mon
     assert isinstance(exit.value.code, str) and len(exit.value.code.splitlines()) == 1
     assert exit.value.code.startswith("prefill_clone.py: error: ") and message in exit.value.code
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(forced=[5]), r"forced must be one list of ids per row \(1 lists\)"),
+    (dict(forced="ab"), "forced must be one list of ids per row"),
+    (dict(stop=""), "a stop string is empty; it would end every row at once"),
+    (dict(stop=["the", ""]), "a stop string is empty"),
+    (dict(stop="\ud800"), "cannot be UTF-8 encoded"),
+    (dict(max_tokens=None, progress="tokens"), "a progress line needs max_tokens"),
+])
+def test_ill_typed_calls_are_refused_by_name(call, message):
+    args = dict(tokens=PROMPT, num_samples=1, max_tokens=4) | call
+    with pytest.raises(ValueError, match=message):
+        Engine(small(), tokenizer=object()).generate_batch(**args)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(batch=-1), "KVCache batch must be a whole number >= 1, got -1"),
+    (dict(max_len=0), "KVCache max_len must be a whole number >= 1, got 0"),
+    (dict(head_dim=2.0), "KVCache head_dim must be a whole number >= 1, got 2.0"),
+    (dict(max_len=64, context=32), r"a cache of 64 positions is longer than the context \(32\)"),
+])
+def test_a_cache_that_cannot_be_honoured_is_refused(sizes, message):
+    args = dict(batch=1, n_layers=2, max_len=8, n_kv_heads=4, head_dim=16) | sizes
+    with pytest.raises(ValueError, match=message):
+        KVCache(**args)
+
+
+def test_a_cache_for_a_model_is_never_longer_than_its_window():
+    with pytest.raises(ValueError, match=r"a cache of 512 positions is longer than the context \(32\)"):
+        KVCache.for_model(small(), 1, 512)
+
+
+def test_scores_that_overflow_stop_the_engine_instead_of_giving_rows_of_zeros():
+    model = small()
+    with torch.no_grad():
+        model.blocks[-1].mlp[2].bias.fill_(3e38)
+    for knobs in (dict(temperature=0), dict(temperature=1.0)):
+        with pytest.raises(ValueError, match="scores for new token 0 are NaN or infinite"):
+            Engine(model).generate_batch(PROMPT, 2, max_tokens=4, **knobs)
+
+
+def test_a_forced_id_appended_between_steps_is_checked_when_it_is_used():
+    engine = Engine(small())
+    steps = engine.generate(PROMPT, 1, max_tokens=4, temperature=0)
+    next(steps)
+    engine.rows[0].forced_tokens.append(10**6)
+    with pytest.raises(ValueError, match="forced token for row 0: 1000000 is outside the vocabulary 0..511"):
+        next(steps)
+
+
+@pytest.fixture(scope="module")
+def shipped_pair():
+    from cached import load_pair
+    return load_pair("holmes.pt", "tokenizer.json")
+
+
+@pytest.mark.parametrize("start, end", [(5, 8), (3, 30), (20, 60)])
+def test_a_stop_string_of_any_length_ends_the_row_where_it_first_appears(shipped_pair, start, end):
+    model, tokenizer = shipped_pair
+    prompt = tokenizer.encode("The night was")
+    free = Engine(model).generate_batch(prompt, 1, max_tokens=60, temperature=0)[0][0]
+    stop = tokenizer.decode(free[start:end])
+    first = next(n for n in range(1, 61) if stop.encode() in b"".join(tokenizer.vocab[t] for t in free[:n]))
+    stopped = Engine(model, tokenizer).generate_batch(prompt, 1, max_tokens=60, temperature=0, stop=stop)[0][0]
+    assert stopped == free[:first] and first >= end - start

@@ -228,7 +228,7 @@ def main():
         torch.set_num_threads(args.threads)
     if args.runs < 3:
         raise ValueError(f"--runs must be at least 3 (figures are medians), got {args.runs}")
-    if args.json:
+    if args.json is not None:
         check_output(args.json, args.force)
     sizes = QUICK if args.quick else FULL
 
@@ -244,7 +244,7 @@ def main():
     table_overhead(model, device, sizes, args.runs, report["overhead"])
     table_decode(model, device, sizes, args.runs, report["decode"])
     table_cuda(model, device, sizes, args.runs, report["cuda"])
-    if args.json:
+    if args.json is not None:
         with atomic_write(args.json, "w") as f:
             json.dump(report, f, indent=1)
         print(f"\nwrote {args.json}")

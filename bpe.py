@@ -5,23 +5,27 @@ Text is split into chunks with a GPT-2 style pattern and merges never cross a
 chunk boundary. The file format is Part 1's: {"merges": [[a, b], ...]}, so a
 tokenizer.json written by Part 1 loads and encodes here unchanged.
 
-    python bpe.py CORPUS [--vocab 4096] [--out tokenizer.json]
+    python bpe.py CORPUS [--vocab 4096] [--out tokenizer.json] [--force]
 
-trains a tokenizer on a text file, checks the round trip and writes the file.
+trains a tokenizer on a text file, checks the round trip over the file's exact
+bytes and writes the file.
 """
 import hashlib
 import heapq
 import json
-import sys
 import time
 from collections import Counter
 
 import regex
 
-from cli import Parser, as_id, atomic_write, check_output, run_cli
+from cli import Parser, as_id, atomic_write, check_input, check_output, run_cli, show_progress
 
 MAX_MERGES = 65536 - 256  # ids must fit uint16, as Part 3's training stores them
 MAX_TOKEN_BYTES = 4096  # far above any real merge list; stops a file that would build gigabyte tokens
+MAX_TOKENIZER_BYTES = 16 * 2**20  # 65,280 merges pretty-printed take under 4 MB
+MAX_CORPUS_BYTES = 256 * 2**20  # 70 times the Holmes canon; encoding holds every id as a Python int
+CACHE_CHUNK_CHARS = 32  # words this long or shorter are cached; longer chunks are rare in prose
+CACHE_ENTRIES = 2**16  # the Holmes canon has 29k distinct chunks; a hostile text only refills the cache
 
 SPLIT_PATTERN = regex.compile(
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -36,6 +40,18 @@ def utf8_bytes(text):
             f"text cannot be UTF-8 encoded ({e.reason} at index {e.start}); "
             "remove lone surrogates before tokenizing"
         ) from None
+
+
+def read_corpus(path, hint=""):
+    """A text file exactly as its bytes say (no newline translation), or a one-line error."""
+    check_input(path, "corpus", MAX_CORPUS_BYTES, hint)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"corpus {path} is not UTF-8 ({e.reason} at byte {e.start:,}); "
+                         "convert it to UTF-8 first") from None
 
 
 def pairs_of(ids):
@@ -75,11 +91,10 @@ class BPE:
 
     @classmethod
     def load(cls, path):
+        check_input(path, "tokenizer file", MAX_TOKENIZER_BYTES, "pass a Part 1 tokenizer.json")
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"tokenizer file {path} not found; pass a Part 1 tokenizer.json") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
         except RecursionError:
@@ -108,16 +123,48 @@ class BPE:
         with atomic_write(path, "w", encoding="utf-8") as f:
             json.dump({"merges": [list(m) for m in self.merges]}, f)
 
+    def _merge_all(self, ids):
+        """Part 1's rule in O(n log n): the lowest-id merge first, its occurrences left to right.
+
+        A heap holds (id the pair merges into, position of its left symbol) for every
+        adjacent pair in the merge list; the symbols are a linked list, so a merge is O(1)
+        and pushes only the two pairs it makes. Those pairs merge into higher ids than the
+        one being applied (a merge only names ids learned before it), so ids come off the
+        heap in rising order and each id's occurrences by position, left to right. An entry
+        whose pair has since changed (a neighbour merged first) is skipped when it comes up.
+        """
+        rank, merges, push, pop = self.rank, self.merges, heapq.heappush, heapq.heappop
+        n = len(ids)
+        shift = n.bit_length()  # an entry is one int, (new id << shift) | position: compares fast
+        left, right = list(range(-1, n - 1)), list(range(1, n + 1))
+        heap = [rank[p] << shift | i for i, p in enumerate(pairs_of(ids)) if p in rank]
+        heapq.heapify(heap)
+        mask = (1 << shift) - 1
+        while heap:
+            entry = pop(heap)
+            new_id, i = entry >> shift, entry & mask
+            j = right[i]
+            if j == n or merges[new_id - 256] != (ids[i], ids[j]):
+                continue  # stale: i or j was merged away (None) or into something else
+            ids[i], ids[j] = new_id, None
+            right[i] = k = right[j]
+            a = left[i]
+            if a >= 0 and (ids[a], new_id) in rank:
+                push(heap, rank[ids[a], new_id] << shift | a)
+            if k < n:
+                left[k] = i
+                if (new_id, ids[k]) in rank:
+                    push(heap, rank[new_id, ids[k]] << shift | i)
+        return [t for t in ids if t is not None]
+
     def _encode_chunk(self, chunk):
         ids = self._chunk_cache.get(chunk)
         if ids is None:
-            ids = list(utf8_bytes(chunk))
-            while len(ids) > 1:
-                pair = min(pairs_of(ids), key=lambda p: self.rank.get(p, float("inf")))
-                if pair not in self.rank:
-                    break
-                ids = merge_pair(ids, pair, self.rank[pair])
-            self._chunk_cache[chunk] = ids
+            ids = self._merge_all(list(utf8_bytes(chunk)))
+            if len(chunk) <= CACHE_CHUNK_CHARS:
+                if len(self._chunk_cache) >= CACHE_ENTRIES:
+                    self._chunk_cache.clear()
+                self._chunk_cache[chunk] = ids
         return ids
 
     def encode(self, text):
@@ -132,11 +179,13 @@ class BPE:
 
     @classmethod
     def train(cls, text, vocab_size, progress=False):
-        """Learn vocab_size - 256 merges, updating pair counts incrementally.
+        """Learn up to vocab_size - 256 merges (fewer if the text runs out of pairs),
+        updating pair counts incrementally.
 
         Each merge touches only the chunks that contain the merged pair; a
         max-heap with lazy deletion finds the most frequent pair, ties going
-        to the smallest pair so training is deterministic.
+        to the smallest pair so training is deterministic. progress: show how
+        far it is on stderr.
         """
         if vocab_size < 256:
             raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
@@ -177,12 +226,10 @@ class BPE:
                     heapq.heappush(heap, (-counts[p], p))
                 else:
                     counts.pop(p)
-            if progress and (len(merges) % 64 == 0 or len(merges) == n_merges):
-                done = len(merges) / n_merges
-                eta = (time.time() - start) * (1 - done) / done
-                print(f"\rmerge {len(merges):,}/{n_merges:,}  ETA {eta:4.0f}s", end="", file=sys.stderr)
-        if progress:
-            print(file=sys.stderr)
+            if progress:
+                show_progress("merges", len(merges), n_merges, start)
+        if progress:  # clears the progress line, also when the text ran out of pairs before n_merges
+            show_progress("merges", n_merges, n_merges, start)
         return cls(merges)
 
 
@@ -195,16 +242,18 @@ def main():
     args = ap.parse_args()
     if not 256 <= args.vocab <= 256 + MAX_MERGES:
         raise ValueError(f"--vocab must be in 256..{256 + MAX_MERGES}, got {args.vocab}")
-    try:
-        with open(args.corpus, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"corpus {args.corpus} not found") from None
+    text = read_corpus(args.corpus)
+    if not text:
+        raise ValueError(f"corpus {args.corpus} is empty; give a text to train on")
     check_output(args.out, args.force)
 
     t0 = time.time()
     bpe = BPE.train(text, args.vocab, progress=True)
     t_train = time.time() - t0
+    if bpe.vocab_size < args.vocab:
+        raise ValueError(f"corpus {args.corpus} runs out of pairs after learning {len(bpe.merges):,} of the "
+                         f"{args.vocab - 256:,} merges --vocab {args.vocab} needs; pass --vocab {bpe.vocab_size} "
+                         "or less, or a bigger corpus")
     t0 = time.time()
     ids = bpe.encode(text)
     t_encode = time.time() - t0

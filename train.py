@@ -5,8 +5,11 @@
 The corpus is tokenized once (the ids are cached under data/). Batches of
 32 x 256 random windows from the first 90%; AdamW with warmup and cosine
 decay; every 250 steps the mean loss of 20 train and 20 val batches goes to
-NAME.csv and the best-val model to NAME.pt, in Part 3's checkpoint format.
-NAME.resume.pt holds what a cut-short run needs to go on with --resume.
+NAME.csv and the best-val model to NAME.pt, in Part 3's checkpoint format
+plus a record of the tokenizer it was trained with. NAME.resume.pt holds
+what a cut-short run needs to go on with --resume, and which run it is: a
+resume with another corpus, tokenizer or setting is refused. A loss that is
+not finite stops the run.
 """
 import csv
 import hashlib
@@ -18,36 +21,43 @@ import time
 import numpy as np
 import torch
 
-from bpe import BPE
-from cli import Parser, atomic_write, check_output, device_from, run_cli
+from bpe import BPE, read_corpus
+from cli import Parser, atomic_write, check_input, check_output, device_from, run_cli, show_progress
 from model import GPT, Config, save_checkpoint
 
 BATCH = 32
+CACHE_DIR = "data"
+MAX_RESUME_BYTES = 2**30  # Part 3's model with AdamW's two moments takes about 70 MB
+RESUME_KEYS = ("run", "model", "optimizer", "generator", "step", "best_val", "elapsed")
 
 
-def load_ids(corpus, tokenizer_path):
-    """The corpus as uint16 ids, cached in data/ by the hash of corpus and tokenizer."""
+def cache_path(corpus_sha, tokenizer_sha):
+    """data/ids-KEY.npy for this corpus and these merges; if it is not there yet, its folder is
+    made and checked writable, so a run never tokenizes for nothing."""
+    key = hashlib.sha256(f"{corpus_sha} {tokenizer_sha}".encode()).hexdigest()[:16]
+    path = os.path.join(CACHE_DIR, f"ids-{key}.npy")
+    if os.path.isfile(path):
+        return path
+    if os.path.lexists(CACHE_DIR) and not os.path.isdir(CACHE_DIR):
+        raise ValueError(f"{CACHE_DIR} is not a folder, but train.py caches token ids in {CACHE_DIR}/; move it away")
     try:
-        with open(corpus, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"corpus {corpus} not found; pass --corpus PATH to a UTF-8 text file") from None
-    tokenizer = BPE.load(tokenizer_path)
-    with open(tokenizer_path, "rb") as f:
-        key = hashlib.sha256(raw + f.read()).hexdigest()[:16]
-    cache = os.path.join("data", f"ids-{key}.npy")
-    if os.path.exists(cache):
+        os.makedirs(CACHE_DIR, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the id cache folder {CACHE_DIR}/ ({e.strerror}); "
+                      "run train.py in a folder it may write") from None
+    return check_output(path, force=True)
+
+
+def load_ids(text, tokenizer, cache):
+    """The corpus as uint16 ids: from the cache, or tokenized once and cached."""
+    if os.path.isfile(cache):
         return np.load(cache)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"corpus {corpus} is not UTF-8 ({e.reason} at byte {e.start})") from None
     t0 = time.time()
     ids = np.array(tokenizer.encode(text), dtype=np.uint16)
-    print(f"tokenized {len(raw):,} bytes into {len(ids):,} tokens in {time.time() - t0:.1f}s", file=sys.stderr)
-    os.makedirs("data", exist_ok=True)
     with atomic_write(cache) as f:
         np.save(f, ids)
+    print(f"tokenized {len(text.encode()):,} bytes into {len(ids):,} tokens in {time.time() - t0:.1f}s",
+          file=sys.stderr)
     return ids
 
 
@@ -88,26 +98,55 @@ def write_csv(path, rows):
         csv.writer(f).writerows([["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"], *rows])
 
 
-def read_resume(path, device):
-    """What a cut-short run left, or a one-line error naming the file."""
-    if not os.path.exists(path):
-        raise ValueError(f"--resume: {path} not found; start without --resume")
+def read_resume(name, device):
+    """What a cut-short run left, or a one-line error naming the file. The CSV log keeps only
+    the rows up to the resume file's step: a run killed between writing a row and writing the
+    resume file logged a step that the resumed run will do again."""
+    path, log = f"{name}.resume.pt", f"{name}.csv"
+    for p in (path, log):
+        check_input(p, "--resume:", MAX_RESUME_BYTES, "start without --resume")
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-        with open(path.replace(".resume.pt", ".csv"), newline="") as f:
+        with open(log, newline="") as f:
             rows = list(csv.reader(f))[1:]
-        missing = [k for k in ("model", "optimizer", "generator", "step", "best_val", "elapsed") if k not in state]
     except Exception as e:
         raise ValueError(f"--resume: {path} or its CSV log cannot be read ({type(e).__name__}); "
                          "start again without --resume") from None
+    missing = [k for k in RESUME_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise ValueError(f"--resume: {path} lacks {missing[0]!r}; start again without --resume")
-    return state, rows
+        raise ValueError(f"--resume: {path} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
+                         "start again without --resume")
+    if not all(row and row[0].isdigit() for row in rows):
+        raise ValueError(f"--resume: {log} has a row that does not start with a step; start again without --resume")
+    return state, [row for row in rows if int(row[0]) <= state["step"]]
+
+
+def check_same_run(here, then, args):
+    """Refuse a resume whose corpus, tokenizer or settings are not the run's own, naming the first difference."""
+    for flag, value in here.items():
+        if then.get(flag) == value:
+            continue
+        if flag in ("--corpus", "--tokenizer"):
+            path = args.corpus if flag == "--corpus" else args.tokenizer
+            raise ValueError(f"--resume: {flag} {path} is not the file the run being resumed used (its sha256 "
+                             f"differs); pass that file, or start again without --resume")
+        raise ValueError(f"--resume: {flag} is {value} here but the run being resumed used {then.get(flag)}; "
+                         "pass the same, or start again without --resume")
 
 
 def random_states(device):
     """Where dropout draws from, and the resume file's key for each."""
     return [(torch, "rng")] + ([(torch.cuda, "cuda_rng")] if device.type == "cuda" else [])
+
+
+def check_finite(loss, what, step):
+    if not math.isfinite(loss):
+        raise ValueError(f"{what} is {loss} at step {step}, so the run stops there; try a smaller --lr")
+
+
+def log_line(text):
+    """A plain line on stderr; in a terminal it first overwrites the progress line."""
+    print(f"\r{text:<79}" if sys.stderr.isatty() else text, file=sys.stderr)
 
 
 def main():
@@ -121,30 +160,44 @@ def main():
     ap.add_argument("--eval-batches", type=int, default=20)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast on the CPU too (CUDA always uses it)")
-    ap.add_argument("--resume", action="store_true", help="go on from NAME.resume.pt")
-    ap.add_argument("--force", action="store_true", help="replace an existing NAME.pt and NAME.csv")
+    ap.add_argument("--resume", action="store_true", help="go on from NAME.resume.pt, with the same arguments")
+    ap.add_argument("--force", action="store_true", help="replace an existing NAME.pt, NAME.csv and NAME.resume.pt")
     args = ap.parse_args()
     for flag in ("steps", "eval_every", "eval_batches"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a finite number above 0, got {args.lr}")
     device = device_from(args.device)
     name = args.out.removesuffix(".pt")
-    if not args.resume:
-        for path in (f"{name}.pt", f"{name}.csv"):
-            check_output(path, args.force, "--force (or --resume to go on from it)")
-    resumed = read_resume(f"{name}.resume.pt", device) if args.resume else None
+    if not os.path.basename(name):
+        raise ValueError(f"--out {args.out!r} names no run; give a name like holmes or runs/holmes")
+    for path in (f"{name}.pt", f"{name}.csv", f"{name}.resume.pt"):
+        check_output(path, args.force or args.resume, "--force (or --resume to go on from it)")
     use_bf16 = device.type == "cuda" or args.bf16
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     cfg = Config()
-    ids = torch.from_numpy(load_ids(args.corpus, args.tokenizer).astype(np.int64))
+    text = read_corpus(args.corpus, "pass --corpus PATH to a UTF-8 text file")
+    tokenizer = BPE.load(args.tokenizer)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"tokenizer {args.tokenizer} has {tokenizer.vocab_size:,} tokens but the model's "
+                         f"vocabulary is {cfg.vocab_size:,}; pass a tokenizer trained with --vocab {cfg.vocab_size}")
+    corpus_sha, record = hashlib.sha256(text.encode()).hexdigest(), tokenizer.record()
+    tokenizer_sha = record["sha256"]
+    run = {"--corpus": corpus_sha, "--tokenizer": tokenizer_sha, "--lr": args.lr, "--steps": args.steps,
+           "--eval-every": args.eval_every, "--eval-batches": args.eval_batches, "--bf16": args.bf16,
+           "--device": str(device), "--out": name}
+    resumed = read_resume(name, device) if args.resume else None
+    if resumed:
+        check_same_run(run, resumed[0]["run"], args)
+    ids = load_ids(text, tokenizer, cache_path(corpus_sha, tokenizer_sha))
+    ids = torch.from_numpy(ids.astype(np.int64))
     if len(ids) < 10 * (cfg.context + 2):
         raise ValueError(f"corpus {args.corpus} gives {len(ids):,} tokens; at least {10 * (cfg.context + 2):,} are "
                          f"needed for the last 10% to hold one {cfg.context + 1}-token validation window")
-    if ids.max() >= cfg.vocab_size:
-        raise ValueError(f"tokenizer makes id {ids.max().item()} but the model's vocabulary is {cfg.vocab_size}")
     split = int(0.9 * len(ids))
     train_ids, val_ids = ids[:split], ids[split:]
 
@@ -166,48 +219,54 @@ def main():
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             gen.set_state(state["generator"])
+            for rng, key in random_states(device):
+                rng.set_rng_state(state[key].cpu())
         except Exception as e:
             raise ValueError(f"--resume: {name}.resume.pt does not fit this run ({type(e).__name__})") from None
-        for rng, key in random_states(device):
-            if key in state:  # dropout's draws; resume files from before they were kept go on without them
-                rng.set_rng_state(state[key].cpu())
         start, best_val, elapsed = state["step"], state["best_val"], state["elapsed"]
         print(f"resuming at step {start} (best val {best_val:.3f})", file=sys.stderr)
 
     t0, tokens = time.time(), 0
-    for step in range(start, args.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr)
-        x, y = batch(train_ids, cfg.context, gen, device)
-        with autocast():
-            _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        tokens += x.numel()
+    label = f"steps after {start:,}" if start else "step"
+    try:
+        for step in range(start, args.steps):
+            done = step + 1
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, args.steps, args.lr)
+            x, y = batch(train_ids, cfg.context, gen, device)
+            with autocast():
+                _, loss = model(x, y)
+            check_finite(loss.item(), "the loss", done)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            tokens += x.numel()
 
-        done = step + 1
-        run_time = time.time() - t0
-        tok_s = tokens / run_time
-        eta = (args.steps - done) * x.numel() / tok_s
-        print(f"\rstep {done}/{args.steps}  loss {loss.item():.3f}  {tok_s:,.0f} tok/s  ETA {eta / 60:.1f} min ",
-              end="", file=sys.stderr)
-        if done % args.eval_every == 0 or done == args.steps:
-            splits = (train_ids, val_ids)
-            train_loss, val_loss = evaluate(model, splits, cfg.context, args.eval_batches, device, autocast)
-            total_time = elapsed + time.time() - t0
-            print(f"\rstep {done}: train {train_loss:.3f}  val {val_loss:.3f}  {tok_s:,.0f} tok/s"
-                  f"  {total_time:.0f}s" + " " * 20, file=sys.stderr)
-            rows.append([done, f"{train_loss:.4f}", f"{val_loss:.4f}", f"{tok_s:.0f}", f"{total_time:.1f}"])
-            write_csv(f"{name}.csv", rows)
-            if val_loss < best_val:
-                best_val = val_loss
-                save_checkpoint(model, f"{name}.pt", done)
-            with atomic_write(f"{name}.resume.pt") as f:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                            **{key: rng.get_rng_state() for rng, key in random_states(device)},
-                            "step": done, "best_val": best_val, "elapsed": total_time}, f)
+            tok_s = tokens / (time.time() - t0)
+            show_progress(label, done - start, args.steps - start, t0,
+                          note=f"loss {loss.item():.3f}, {tok_s:,.0f} tok/s")
+            if done % args.eval_every == 0 or done == args.steps:
+                splits = (train_ids, val_ids)
+                train_loss, val_loss = evaluate(model, splits, cfg.context, args.eval_batches, device, autocast)
+                check_finite(train_loss, "the evaluated train loss", done)
+                check_finite(val_loss, "the val loss", done)
+                total_time = elapsed + time.time() - t0
+                rows.append([done, f"{train_loss:.4f}", f"{val_loss:.4f}", f"{tok_s:.0f}", f"{total_time:.1f}"])
+                write_csv(f"{name}.csv", rows)
+                if val_loss < best_val:
+                    best_val = val_loss
+                    save_checkpoint(model, f"{name}.pt", done, tokenizer=record)
+                with atomic_write(f"{name}.resume.pt") as f:
+                    torch.save({"run": run, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                "generator": gen.get_state(),
+                                **{key: rng.get_rng_state() for rng, key in random_states(device)},
+                                "step": done, "best_val": best_val, "elapsed": total_time}, f)
+                log_line(f"step {done}: train {train_loss:.3f}  val {val_loss:.3f}  {tok_s:,.0f} tok/s  "
+                         f"{total_time:.0f}s")
+    finally:  # clears a drawn progress line, so that an error or the end line starts a line of its own
+        show_progress(label, args.steps - start, args.steps - start, t0)
+    # every loss was finite and the last step was evaluated, so NAME.pt holds the best of them
     print(f"best val loss {best_val:.3f}; checkpoint {name}.pt, log {name}.csv", file=sys.stderr)
 
 

@@ -1,12 +1,24 @@
 """bpe.py is Part 1's tokenizer: its file format, its training and its encoding."""
+import hashlib
+import itertools
 import json
+import os
+import random
+import re
+import signal
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 
 import pytest
 
+import bpe as bpe_module
 from bpe import BPE, SPLIT_PATTERN
+from cli import run_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = ("holmes.pt", "holmes.csv", "tokenizer.json")
 
 TEXT = (
     "It is a capital mistake to theorize before one has data. Insensibly one begins "
@@ -44,7 +56,8 @@ def naive_train(text, n_merges):
 
 
 def naive_encode(merges, text):
-    """Part 1's encoding rule, written out: lowest-id merge first, per chunk."""
+    """Part 1's encoding rule, written out: lowest-id merge first, per chunk. This is the
+    quadratic algorithm bpe.py used before its heap; the reference its ids must match."""
     rank = {tuple(m): 256 + i for i, m in enumerate(merges)}
     out = []
     for chunk in SPLIT_PATTERN.findall(text):
@@ -130,37 +143,34 @@ def test_missing_tokenizer_file_names_the_path(tmp_path):
         BPE.load(tmp_path / "nowhere.json")
 
 
-def test_cli_trains_writes_part1_format_and_refuses_a_missing_corpus(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
-    out = tmp_path / "tok.json"
-    run = subprocess.run([sys.executable, "bpe.py", str(corpus), "--vocab", "300", "--out", str(out)],
+def test_cli_trains_writes_part1_format_and_refuses_a_missing_corpus(tmp_path, monkeypatch, capsys):
+    status, out, err = train_bpe(tmp_path, TEXT.encode(), "--vocab", "300", monkeypatch=monkeypatch, capsys=capsys)
+    assert status == 0 and err == "", err
+    assert "round trip exact" in out
+    assert BPE.load(tmp_path / "tok.json").merges == naive_train(TEXT, 44)
+
+    missing = tmp_path / "missing.txt"
+    status, _, err = train_bpe(tmp_path, missing, monkeypatch=monkeypatch, capsys=capsys)
+    assert status == 1 and err == f"bpe.py: error: corpus {missing} not found\n"
+
+
+def test_a_real_run_exits_1_with_one_line(tmp_path):
+    """The one subprocess: what run_main reads from SystemExit is what a shell sees."""
+    run = subprocess.run([sys.executable, "bpe.py", str(tmp_path / "missing.txt")], cwd=ROOT,
                          capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert "round trip exact" in run.stdout
-    assert BPE.load(out).merges == naive_train(TEXT, 44)
-
-    run = subprocess.run([sys.executable, "bpe.py", str(tmp_path / "missing.txt")], capture_output=True, text=True)
-    assert run.returncode != 0
-    assert run.stderr.strip().splitlines() == [f"bpe.py: error: corpus {tmp_path / 'missing.txt'} not found"]
+    assert run.returncode == 1 and run.stderr == f"bpe.py: error: corpus {tmp_path / 'missing.txt'} not found\n"
 
 
-def test_an_existing_tokenizer_is_kept_unless_forced(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
-    shipped = open("tokenizer.json", "rb").read()
-    for out in ("tokenizer.json", tmp_path / "mine.json"):
-        if out != "tokenizer.json":
-            out.write_text("my own")
-        before = open(out, "rb").read()
-        run = subprocess.run([sys.executable, "bpe.py", str(corpus), "--vocab", "300", "--out", str(out)],
-                             capture_output=True, text=True)
-        assert run.returncode == 1 and "already exists; pass --force" in run.stderr and "Traceback" not in run.stderr
-        assert open(out, "rb").read() == before
-    assert open("tokenizer.json", "rb").read() == shipped
-    run = subprocess.run([sys.executable, "bpe.py", str(corpus), "--vocab", "300", "--out", str(tmp_path / "mine.json"),
-                          "--force"], capture_output=True, text=True)
-    assert run.returncode == 0 and len(BPE.load(tmp_path / "mine.json").merges) == 44
+def test_an_existing_tokenizer_is_kept_unless_forced(tmp_path, monkeypatch, capsys, shipped_unchanged):
+    (tmp_path / "mine.json").write_text("my own")
+    for out in (os.path.join(ROOT, "tokenizer.json"), tmp_path / "mine.json"):
+        before = sha256(out)
+        run = train_bpe(tmp_path, TEXT.encode(), "--vocab", "300", "--out", out, monkeypatch=monkeypatch, capsys=capsys)
+        assert_refused(run, "already exists; pass --force")
+        assert sha256(out) == before
+    status, _, err = train_bpe(tmp_path, TEXT.encode(), "--vocab", "300", "--out", tmp_path / "mine.json", "--force",
+                               monkeypatch=monkeypatch, capsys=capsys)
+    assert status == 0 and len(BPE.load(tmp_path / "mine.json").merges) == 44, err
 
 
 @pytest.mark.parametrize("ids, message", [
@@ -192,3 +202,236 @@ def test_hostile_tokenizer_files_are_refused_with_a_reason(tmp_path, content, me
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
         BPE.load(path)
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture
+def shipped_unchanged():
+    """Fails the test if it changed any shipped file (holmes.pt, holmes.csv, tokenizer.json) by a byte."""
+    before = {name: sha256(os.path.join(ROOT, name)) for name in SHIPPED}
+    yield
+    assert {name: sha256(os.path.join(ROOT, name)) for name in SHIPPED} == before
+
+
+def run_main(main, argv, monkeypatch, capsys):
+    """A script run in-process through run_cli: (exit status, stdout, stderr as a real run shows them)."""
+    monkeypatch.setattr(sys, "argv", [str(a) for a in argv])
+    handler = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; the test process keeps pytest's
+    try:
+        run_cli(main)
+        status, message = 0, ""
+    except SystemExit as e:  # sys.exit(message) prints the message and exits 1 in a real process
+        status, message = (1, f"{e.code}\n") if isinstance(e.code, str) else (e.code or 0, "")
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out, err = capsys.readouterr()
+    return status, out, err + message
+
+
+def assert_refused(run, message):
+    status, out, err = run
+    assert status == 1 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def train_bpe(tmp_path, corpus, *args, monkeypatch, capsys):
+    """bpe.py in-process on `corpus` (bytes, or a path as it is), writing tmp_path/tok.json unless told."""
+    if isinstance(corpus, bytes):
+        (tmp_path / "corpus.txt").write_bytes(corpus)
+        corpus = tmp_path / "corpus.txt"
+    args = args if "--out" in args else (*args, "--out", tmp_path / "tok.json")
+    return run_main(bpe_module.main, ["bpe.py", corpus, *args], monkeypatch, capsys)
+
+
+def random_text(seed, alphabet, n):
+    rng = random.Random(seed)
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+OVERLAPPING = BPE.train("a" * 64 + " " + "ab" * 32 + " " + "aab" * 20, 256 + 30)  # merges of merges of a's
+
+
+@pytest.mark.parametrize("bpe", [BPE.load(os.path.join(ROOT, "tokenizer.json")), OVERLAPPING],
+                         ids=["shipped", "overlapping"])
+@pytest.mark.parametrize("text", [
+    TEXT, random_text(0, "ab ", 3000), random_text(1, "aaab", 1500), random_text(2, "etaoinshrdlu", 2000),
+    random_text(3, "é中🕵a b\n\t'-1", 2000), random_text(4, "0123456789", 1000), "a" * 1501, "ab" * 700,
+    "aab" * 500, "the" * 500, "-" * 999, " " * 1000 + "x", "\r\n" * 300, "Holmes" * 300,
+])
+def test_encode_gives_the_quadratic_references_ids(bpe, text):
+    assert bpe.encode(text) == naive_encode(bpe.merges, text)
+
+
+def test_the_chunk_cache_stays_bounded_and_long_chunks_skip_it(monkeypatch):
+    monkeypatch.setattr(bpe_module, "CACHE_ENTRIES", 50)
+    bpe = BPE.load(os.path.join(ROOT, "tokenizer.json"))
+    words = " ".join(random_text(i, "abcdefghij", 6) for i in range(500))
+    assert bpe.encode(words) == naive_encode(bpe.merges, words)
+    assert 0 < len(bpe._chunk_cache) <= 50
+    long = "Holmes" * 100
+    assert bpe.encode(long) == naive_encode(bpe.merges, long) and long not in bpe._chunk_cache
+
+
+@pytest.mark.parametrize("raw", [
+    b"Line one.\r\nLine two.\r\n" * 40, b"Old Mac lines.\rAnother.\r" * 40, b"\xef\xbb\xbfA BOM first.\n" * 40,
+    b"Mixed\r\n endings\n\r and\r\r\n more\n" * 40,
+], ids=["crlf", "cr", "bom", "mixed"])
+def test_the_round_trip_covers_the_corpus_files_exact_bytes(tmp_path, raw, monkeypatch, capsys, shipped_unchanged):
+    status, out, err = train_bpe(tmp_path, raw, "--vocab", "260", monkeypatch=monkeypatch, capsys=capsys)
+    assert status == 0 and err == "", err
+    assert f"encoded {len(raw):,} bytes into" in out and "round trip exact" in out
+    bpe = BPE.load(tmp_path / "tok.json")
+    assert bpe.decode(bpe.encode(raw.decode())).encode() == raw
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"caf\xe9 au lait\n", "not UTF-8 (invalid continuation byte at byte 3)"),
+    (b"Holmes \x80 Watson", "not UTF-8 (invalid start byte at byte 7)"),
+    ("Watson\n".encode() * 200 + "é".encode()[:1], "not UTF-8 (unexpected end of data at byte 1,400)"),
+    ("Holmes".encode("utf-16"), "not UTF-8 (invalid start byte at byte 0)"),
+], ids=["latin-1", "stray-byte", "cut-at-end", "utf-16"])
+def test_a_corpus_that_is_not_utf8_is_refused_naming_the_byte(tmp_path, raw, message, monkeypatch, capsys,
+                                                              shipped_unchanged):
+    assert_refused(train_bpe(tmp_path, raw, monkeypatch=monkeypatch, capsys=capsys), message)
+    assert not (tmp_path / "tok.json").exists()
+
+
+@pytest.mark.parametrize("raw, vocab, message", [
+    (b"ab", 4096, "runs out of pairs after learning 1 of the 3,840 merges --vocab 4096 needs; pass --vocab 257"),
+    (b"aaa", 300, "after learning 2 of the 44 merges --vocab 300 needs; pass --vocab 258 or less"),
+    (b"x y z", 260, "after learning 2 of the 4 merges"),
+    (b" ", 257, "after learning 0 of the 1 merges"),
+    (TEXT.encode(), 65536, "of the 65,280 merges --vocab 65536 needs"),
+], ids=["two-letters", "one-letter", "one-letter-words", "one-space", "tiny-for-the-vocab"])
+def test_a_corpus_too_small_for_the_vocabulary_is_refused_before_writing(tmp_path, raw, vocab, message,
+                                                                         monkeypatch, capsys, shipped_unchanged):
+    (tmp_path / "tok.json").write_text('{"merges": [[104, 105]]}')  # --force may replace it, not with a short list
+    before = sha256(tmp_path / "tok.json")
+    run = train_bpe(tmp_path, raw, "--vocab", vocab, "--force", monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, message)
+    assert "pass --vocab" in run[2] and "or a bigger corpus" in run[2]
+    assert sha256(tmp_path / "tok.json") == before
+
+
+@pytest.mark.parametrize("vocab", ["4096", "256"])
+def test_an_empty_corpus_is_refused_before_writing(tmp_path, vocab, monkeypatch, capsys, shipped_unchanged):
+    (tmp_path / "tok.json").write_text('{"merges": [[104, 105]]}')
+    before = sha256(tmp_path / "tok.json")
+    run = train_bpe(tmp_path, b"", "--vocab", vocab, "--force", monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, "corpus.txt is empty; give a text to train on")
+    assert sha256(tmp_path / "tok.json") == before
+
+
+def special_input(tmp_path, kind):
+    """A path that is not a readable regular file of sensible size."""
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it would block until a writer comes
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "link-to-dev-zero":
+        path.symlink_to("/dev/zero")  # reading it would never end
+    elif kind == "too-big":
+        path.write_bytes(b"x" * 2000)
+    return "/dev/zero" if kind == "dev-zero" else path
+
+
+INPUTS = [
+    ("dev-zero", "/dev/zero is not a regular file"), ("link-to-dev-zero", "link-to-dev-zero is not a regular file"),
+    ("fifo", "fifo is not a regular file (a pipe or a device?)"), ("folder", "folder is a folder; give a file"),
+    ("missing", "missing not found"), ("too-big", "too-big is 0 MiB, more than the 0 MiB"),
+]
+
+
+@pytest.mark.parametrize("kind, message", INPUTS)
+def test_a_corpus_that_is_not_a_bounded_regular_file_is_refused(tmp_path, kind, message, monkeypatch, capsys,
+                                                                 shipped_unchanged):
+    monkeypatch.setattr(bpe_module, "MAX_CORPUS_BYTES", 1000)
+    run = train_bpe(tmp_path, special_input(tmp_path, kind), monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, f"bpe.py: error: corpus {special_input(tmp_path, kind) if kind == 'dev-zero' else ''}")
+    assert message in run[2] and not (tmp_path / "tok.json").exists()
+
+
+@pytest.mark.parametrize("kind, message", INPUTS)
+def test_a_tokenizer_file_that_is_not_a_bounded_regular_file_is_refused(tmp_path, kind, message, monkeypatch):
+    monkeypatch.setattr(bpe_module, "MAX_TOKENIZER_BYTES", 1000)
+    with pytest.raises((ValueError, FileNotFoundError), match=f"^tokenizer file .*{re.escape(message)}"):
+        BPE.load(special_input(tmp_path, kind))
+
+
+def forbid_training(monkeypatch):
+    def train(*args, **kwargs):
+        raise AssertionError("the output should have been refused before training")
+    monkeypatch.setattr(BPE, "train", train)
+
+
+@pytest.mark.parametrize("out, message", [
+    ("", "the output path is empty"),
+    ("{tmp}", "is a folder; give a file name"),
+    ("{tmp}/missing/tok.json", "missing does not exist"),
+    ("/sys/tok.json", "the folder /sys is not writable"),  # refuses even root
+    ("{tmp}/victim.json", "victim.json already exists; pass --force"),
+    ("{tmp}/link.json", "link.json already exists; pass --force"),
+])
+def test_an_output_that_cannot_or_must_not_be_written_is_refused_before_training(
+        tmp_path, out, message, monkeypatch, capsys, shipped_unchanged):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    (tmp_path / "victim.json").write_text('{"merges": [[104, 105]]}')
+    (tmp_path / "link.json").symlink_to(tmp_path / "victim.json")
+    before = sha256(tmp_path / "victim.json")
+    forbid_training(monkeypatch)
+    run = train_bpe(tmp_path, tmp_path / "corpus.txt", "--vocab", "300", "--out", out.format(tmp=tmp_path),
+                    monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, message)
+    assert sha256(tmp_path / "victim.json") == before and (tmp_path / "link.json").is_symlink()
+
+
+def test_no_link_at_the_output_or_at_a_temporary_name_is_written_through(tmp_path, monkeypatch, capsys,
+                                                                          shipped_unchanged):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    (tmp_path / "victim.json").write_text('{"merges": [[104, 105]]}')
+    before = sha256(tmp_path / "victim.json")
+    traps = ["tok.json", "tok.json.tmp", ".tok.json.tmp", ".tok.json.planted.tmp"]
+    for name in traps:
+        (tmp_path / name).symlink_to(tmp_path / "victim.json")
+    # the first temporary name tried is the planted link's, as an old interrupted run could have left it
+    names = tempfile._get_candidate_names
+    monkeypatch.setattr(tempfile, "_get_candidate_names", lambda: itertools.chain(["planted"], names()))
+    status, out, err = train_bpe(tmp_path, tmp_path / "corpus.txt", "--vocab", "300", "--force",
+                                 monkeypatch=monkeypatch, capsys=capsys)
+    assert status == 0, err
+    assert sha256(tmp_path / "victim.json") == before
+    assert all((tmp_path / name).is_symlink() for name in traps[1:])
+    assert not (tmp_path / "tok.json").is_symlink() and len(BPE.load(tmp_path / "tok.json").merges) == 44
+
+
+def test_an_interrupted_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch, capsys,
+                                                                        shipped_unchanged):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    (tmp_path / "tok.json").write_text('{"merges": [[104, 105]]}')
+    before = sha256(tmp_path / "tok.json")
+
+    def cut(data, f):
+        f.write('{"merges": [[')
+        raise KeyboardInterrupt  # what run_cli makes of SIGTERM or Ctrl-C
+    monkeypatch.setattr(json, "dump", cut)
+    run = train_bpe(tmp_path, tmp_path / "corpus.txt", "--vocab", "300", "--force", monkeypatch=monkeypatch,
+                    capsys=capsys)
+    assert run[0] == 1 and run[2].strip() == "bpe.py: interrupted; nothing half-written was left behind"
+    assert sha256(tmp_path / "tok.json") == before
+    assert sorted(os.listdir(tmp_path)) == ["corpus.txt", "tok.json"]
+
+
+def test_training_shows_progress_through_the_shared_progress_line(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bpe_module, "show_progress", lambda *args: calls.append(args))
+    BPE.train(TEXT, 300, progress=True)
+    assert [(label, done, total) for label, done, total, _ in calls] == \
+        [("merges", i, 44) for i in range(1, 45)] + [("merges", 44, 44)]
+    calls.clear()
+    BPE.train("ab", 300, progress=True)  # runs out of pairs: the line is still cleared
+    assert [(label, done, total) for label, done, total, _ in calls] == [("merges", 1, 44), ("merges", 44, 44)]

@@ -106,7 +106,7 @@ def llama(path, n_ctx=1024, n_seq_max=1):
     """llama.cpp (through llama-cpp-python) with the GGUF, on all of torch's CPU threads, quiet."""
     import torch
     llama_cpp = engine("llama_cpp")
-    return llama_cpp.Llama(path, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=torch.get_num_threads(),
+    return llama_cpp.Llama(os.fspath(path), n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=torch.get_num_threads(),
                            n_threads_batch=torch.get_num_threads(), verbose=False)
 
 

@@ -303,9 +303,6 @@ def main():
         raise ValueError(f"--break must be 'layout' or 'rotary', got {args.broken!r}")
     if args.broken and (args.gguf or args.ct2):
         raise ValueError("--break writes nothing; drop --gguf and --ct2")
-    for wanted, module in ((args.gguf, "gguf"), (args.ct2, "ctranslate2")):
-        if wanted:
-            serve.engine(module)
     out_dir = args.out_dir or (None if args.gguf or args.ct2 else "holmes-hf")
     outputs = [p for p in (out_dir, args.gguf, args.ct2) if p]
     if not args.broken:
@@ -318,6 +315,9 @@ def main():
             check_out_dir(args.ct2, args.force, serve.CT2_FILES, inputs, "--ct2 DIR")
         if args.gguf:
             check_out_file(args.gguf, args.force, inputs)
+    for wanted, module in ((args.gguf, "gguf"), (args.ct2, "ctranslate2")):
+        if wanted:
+            serve.engine(module)
     model, bpe = load_pair(args.checkpoint, args.tokenizer)
     works = []
     try:

@@ -32,7 +32,8 @@ def engine(module):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"{module} is not installed ({e.name} missing); pip install -r {REQUIREMENTS}") from None
+        missing = "" if e.name == module else f" ({e.name} missing)"
+        raise ValueError(f"{module} is not installed{missing}; pip install -r {REQUIREMENTS}") from None
 
 
 def write_gguf(path, cfg, tensors, tokens, merges, kind="f32"):

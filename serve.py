@@ -16,7 +16,6 @@ trained on text does not pick it.
 """
 import importlib
 import os
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -103,11 +102,11 @@ def write_ct2(hf, tokenizer, out_dir):
     FolderConverter().convert(out_dir, quantization="float32")
 
 
-def llama(path, n_ctx=1024, n_seq_max=1):
+def llama(path, n_ctx=1024):
     """llama.cpp (through llama-cpp-python) with the GGUF, on all of torch's CPU threads, quiet."""
     import torch
     llama_cpp = engine("llama_cpp")
-    return llama_cpp.Llama(os.fspath(path), n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=torch.get_num_threads(),
+    return llama_cpp.Llama(os.fspath(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
                            n_threads_batch=torch.get_num_threads(), verbose=False)
 
 
@@ -171,15 +170,3 @@ def ct2_greedy(generator, tokens, batch, n_tokens):
     results = generator.generate_batch([tokens] * batch, max_length=n_tokens, min_length=n_tokens,
                                        sampling_topk=1, include_prompt_in_result=False)
     return [r.sequences_ids[0] for r in results]
-
-
-def tok_per_s(generate, batch, n_tokens):
-    """Tokens a second of one timed call after a warm-up call."""
-    generate()
-    t0 = time.perf_counter()
-    generate()
-    return batch * n_tokens / (time.perf_counter() - t0)
-
-
-def is_ct2_dir(path):
-    return os.path.isdir(path) and set(os.listdir(path)) <= CT2_FILES

@@ -15,6 +15,8 @@ as a share of the median). Rows print as they are measured:
    and with the Linear layers' weights on the left (model.weights_left).
 5. CUDA only: kernels per decode step, the share of the step the GPU is busy,
    and the Engine with each decode step a CUDA-graph replay, at batch 1 and 16.
+6. The same weights through the serving engines installed (transformers always;
+   CTranslate2 and llama.cpp with requirements-serve.txt, on the CPU) beside the Engine.
 """
 import json
 import os
@@ -212,6 +214,46 @@ def table_cuda(model, device, sizes, runs, out):
             raise SystemExit("bench.py: error: CUDA-graph replay gave other tokens than the eager path")
 
 
+def table_peers(model, device, sizes, runs, out):
+    """The same weights through the serving engines installed, side by side with the Engine, greedy."""
+    import importlib.util
+    import os
+    import tempfile
+
+    import export
+    import serve
+    from bpe import BPE
+    n = min(256, max(sizes["lengths"]))
+    print(f"\n6. the same weights through the serving engines: greedy tok/s, {n} tokens (median)")
+    bpe = BPE.load("tokenizer.json")
+    prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        export.write_folder(model, bpe, os.path.join(tmp, "hf"))
+        hf, tokenizer = export.load_folder(os.path.join(tmp, "hf"))
+        hf = hf.to(device)
+        engine = Engine(model)
+        peers = {"engine": lambda b: engine.generate_batch(prompt, b, max_tokens=n, temperature=0),
+                 "transformers": lambda b: hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
+                                                       min_new_tokens=n, do_sample=False, pad_token_id=0)}
+        if device.type == "cpu" and importlib.util.find_spec("ctranslate2"):
+            serve.write_ct2(hf, tokenizer, os.path.join(tmp, "ct2"))
+            generator, tokens = serve.ct2_generator(os.path.join(tmp, "ct2")), tokenizer.convert_ids_to_tokens(prompt)
+            peers["ctranslate2"] = lambda b: serve.ct2_greedy(generator, tokens, b, n)
+        if device.type == "cpu" and importlib.util.find_spec("gguf") and importlib.util.find_spec("llama_cpp"):
+            gguf = os.path.join(tmp, "model.gguf")
+            serve.write_gguf(gguf, model.cfg, export.neox_state_dict(model), *export.spelled_vocabulary(bpe))
+            llm = serve.llama(gguf)
+            peers["llama_cpp"] = lambda b: (serve.llama_greedy(llm, prompt, n) if b == 1
+                                            else serve.llama_greedy_batch(gguf, prompt, b, n))
+        print(f"{'batch':>5} " + " ".join(f"{name:>13}" for name in peers))
+        for batch in sizes["batches"]:
+            row = {"batch": batch, "tokens": n}
+            for name, run in peers.items():
+                row[name] = batch * n / measure(lambda: run(batch), runs, device, label=f"batch {batch}, {name}:")[0]
+            out.append(row)
+            print(f"{batch:>5} " + " ".join(f"{row[name]:>13,.0f}" for name in peers), flush=True)
+
+
 def main():
     ap = Parser(description="Measure the post's speed and memory claims.")
     ap.add_argument("device", nargs="?", default="cpu", help="cpu or cuda")
@@ -244,6 +286,7 @@ def main():
     table_overhead(model, device, sizes, args.runs, report["overhead"])
     table_decode(model, device, sizes, args.runs, report["decode"])
     table_cuda(model, device, sizes, args.runs, report["cuda"])
+    table_peers(model, device, sizes, args.runs, report.setdefault("peers", []))
     if args.json is not None:
         with atomic_write(args.json, "w") as f:
             json.dump(report, f, indent=1)

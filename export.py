@@ -1,16 +1,19 @@
-"""Hand the trained model to the engines people serve with: a Hugging Face folder, proven exact.
+"""Hand the trained model to the engines people serve with: a Hugging Face folder, a GGUF, a CTranslate2 model.
 
-No serving engine knows this model by name, but GPT-NeoX in `transformers` has
-its shape (pre-norm LayerNorm blocks, exact-GELU MLP, rotary attention on the
-whole head, a sequential residual with use_parallel_residual=False), so the
-weights map onto it one to one: zero biases where Part 3 has none, the tied
-head written out as the output matrix, GQA key and value heads repeated.
+No serving engine knows this model by name, but GPT-NeoX has its shape
+(pre-norm LayerNorm blocks, exact-GELU MLP, rotary attention on the whole head,
+a sequential residual with use_parallel_residual=False), so the weights map
+onto it one to one: zero biases where Part 3 has none, the tied head written
+out as the output matrix, GQA key and value heads repeated.
 
 The trap is RoPE's layout. Part 3 rotates interleaved channel pairs (2j, 2j+1);
 GPT-NeoX rotates halves (j, j + head_dim/2). Weights copied as they are load
 without a warning and give another model. Giving each head's q and k rows the
 same permutation (evens first, then odds) fixes it: attention scores are dot
-products, unchanged when q and k are permuted alike.
+products, unchanged when q and k are permuted alike. One level up waits the
+same trap: transformers 5 writes the rotary fraction as rope_parameters, and
+transformers 4 (and the engines' converters), not finding rotary_pct, rotate
+a quarter of each head. config.json carries both.
 
     python export.py [CHECKPOINT] [OUT_DIR] --tokenizer tokenizer.json [--force]
 
@@ -18,11 +21,22 @@ writes OUT_DIR (default holmes-hf/) with config.json, model.safetensors and a
 fast tokenizer, then loads it back through transformers and checks logits,
 token ids and greedy generation against this repo; it exits 1 if any differ.
 
-    python export.py --break layout
+    python export.py --gguf holmes.gguf [--gguf-type f32|f16|q8_0]
+    python export.py --ct2 holmes-ct2
 
-builds the folder without the permutation in a temporary directory, reports
-how far the logits move and where greedy text parts, and keeps nothing.
+write a GGUF for llama.cpp (with the gguf package, llama.cpp's own writer) and
+a CTranslate2 model (through ctranslate2's converter classes) from the same
+proven folder, then run each engine greedily and report where it parts from
+cached.py (serve.py; pip install -r requirements-serve.txt). OUT_DIR is
+written too when given. --force replaces a previous export only.
+
+    python export.py --break layout     # without the RoPE permutation
+    python export.py --break rotary     # as transformers 4 reads a folder without rotary_pct
+
+build the broken folder in a temporary directory, report how far the logits
+move and where greedy text parts, and keep nothing.
 """
+import json
 import os
 import shutil
 import tempfile
@@ -33,10 +47,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, GPT
 from transformers.utils import logging
 
 from cached import first_difference, load_pair
-from cli import Parser, run_cli
+import serve
+from cli import Parser, atomic_write, check_output, run_cli
 
 SAMPLE = ("To Sherlock Holmes she is always the woman. \"You have been in Afghanistan, I perceive,\" "
           "said he. It's a capital mistake to theorize before one has data.\n\n    Café, naïve, 1895!")
+PROMPT = "The night was"  # cached.py's default
+HF_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json"}  # what an export writes, so all --force may replace
+BROKEN = {
+    "layout": "--break layout: q and k rows left in Part 3's interleaved order, which GPT-NeoX reads as halves",
+    "rotary": "--break rotary: no rotary_pct, read as transformers 4 reads it (0.25: a quarter of each head rotates)",
+}
 
 
 def rope_layout(head_dim):
@@ -83,37 +105,49 @@ def byte_alphabet():
     return stand_ins
 
 
+def spelled_vocabulary(bpe):
+    """Part 1's tokens and merges in GPT-2's byte alphabet, as byte-level BPE files (and GGUF) write them."""
+    alphabet = byte_alphabet()
+    tokens, ids = [], {}
+    for i, token_bytes in enumerate(bpe.vocab):
+        tokens.append("".join(alphabet[b] for b in token_bytes))
+        if ids.setdefault(tokens[-1], i) != i:
+            raise ValueError(f"tokens {ids[tokens[-1]]} and {i} are the same bytes {token_bytes!r}; "
+                             "a Hugging Face vocabulary cannot hold both")
+    return tokens, [(tokens[a], tokens[b]) for a, b in bpe.merges]
+
+
 def fast_tokenizer(bpe):
     """Part 1's BPE as a tokenizers BPE model: same merges in the same ranks, same split, same bytes."""
-    alphabet = byte_alphabet()
-
-    def spelled(token_bytes):
-        return "".join(alphabet[b] for b in token_bytes)
-    vocab = {}
-    for i, token_bytes in enumerate(bpe.vocab):
-        if vocab.setdefault(spelled(token_bytes), i) != i:
-            raise ValueError(f"tokens {vocab[spelled(token_bytes)]} and {i} are the same bytes {token_bytes!r}; "
-                             "a Hugging Face vocabulary cannot hold both")
-    merges = [(spelled(bpe.vocab[a]), spelled(bpe.vocab[b])) for a, b in bpe.merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokens, merges = spelled_vocabulary(bpe)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's split: Part 1's
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def write_folder(model, bpe, path, fix_layout=True):
+def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0):
     cfg = model.cfg
     neox = GPTNeoXConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, intermediate_size=4 * cfg.d_model, hidden_act="gelu",
-        rotary_pct=1.0, rotary_emb_base=10000, max_position_embeddings=cfg.context, layer_norm_eps=1e-5,
+        rotary_pct=rotary_pct, rotary_emb_base=10000, max_position_embeddings=cfg.context, layer_norm_eps=1e-5,
         use_parallel_residual=False, tie_word_embeddings=False, attention_dropout=0.0, hidden_dropout=0.0,
         bos_token_id=None, eos_token_id=None,
     )
+    # transformers 5 writes the rotary fraction into rope_parameters only; transformers 4 (and the
+    # engines' converters) read rotary_pct, and without it take 0.25: 16 of 64 channels rotate.
+    neox.rotary_pct, neox.rotary_emb_base = rotary_pct, 10000
     hf = GPTNeoXForCausalLM(neox)
     hf.load_state_dict(neox_state_dict(model, fix_layout), strict=True)
     hf.save_pretrained(path)
     fast_tokenizer(bpe).save_pretrained(path)
+    # transformers 5 names its class TokenizersBackend, which 4 does not know; both know this one
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f) | {"tokenizer_class": "PreTrainedTokenizerFast"}
+    with atomic_write(config_path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def load_folder(path):
@@ -127,7 +161,7 @@ def compare(model, bpe, hf, hf_tokenizer, n_tokens=100):
     idx = torch.randint(model.cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
     diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
     same_ids = hf_tokenizer(SAMPLE)["input_ids"] == bpe.encode(SAMPLE)
-    prompt = torch.tensor([bpe.encode("The night was")])
+    prompt = torch.tensor([bpe.encode(PROMPT)])
     n_tokens = min(n_tokens, model.cfg.context - prompt.shape[1])
     theirs = hf.generate(prompt, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False,
                          pad_token_id=0)[0, prompt.shape[1]:].tolist()
@@ -135,23 +169,60 @@ def compare(model, bpe, hf, hf_tokenizer, n_tokens=100):
     return diff, same_ids, theirs, ours
 
 
-def check_out_dir(path, force):
+def inside(path, folder):
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath((path, folder)) == folder
+
+
+def listing(names, shown=4):
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def check_out_dir(path, force, export_files, inputs, flag):
+    """Before any work: `path` can be written, and --force replaces only a previous export there.
+
+    A previous export holds nothing but the files an export writes (export_files); a folder with
+    anything else, or one holding this export's own inputs, is refused whatever the flags."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{path} exists and is not a folder; give another OUT_DIR")
-    if os.path.isdir(path) and os.listdir(path) and not force:
-        raise ValueError(f"{path} exists and is not empty; pass --force to replace it whole")
+        raise ValueError(f"{path} exists and is not a folder; give another {flag}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ValueError(f"cannot write {path}: the folder {parent} does not exist")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
+    except OSError as e:
+        raise OSError(f"cannot write {path}: the folder {parent} is not writable ({e.strerror})") from None
+    held = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    if held and not force:
+        raise ValueError(f"{path} exists and is not empty; pass --force to replace a previous export there")
+    others = [n for n in held if n not in export_files or not os.path.isfile(os.path.join(path, n))]
+    if others:
+        raise ValueError(f"--force replaces only a previous export, and {path} also holds {listing(others)}, "
+                         f"which it would remove; give another {flag}")
+    used = [p for p in inputs if inside(p, path)]
+    if used:
+        raise ValueError(f"{path} holds {used[0]}, which this export reads; give another {flag}")
 
 
-def replace_folder(built, path):
-    """Move the finished folder into place; an old one is replaced whole, never mixed."""
+def check_out_file(path, force, inputs):
+    check_output(path, force, "--force")
+    used = [p for p in inputs if os.path.exists(path) and os.path.samefile(p, path)]
+    if used:
+        raise ValueError(f"--gguf {path} is {used[0]}, which this export reads; give another file name")
+
+
+def put_in_place(built, path):
+    """Move a finished file or folder into place; an old one is replaced whole, never mixed."""
     umask = os.umask(0)
     os.umask(umask)
-    for name in os.listdir(built):  # temporary folders and safetensors files are private; this one is not
+    # temporary folders and safetensors files are private; the export is not
+    for name in os.listdir(built) if os.path.isdir(built) else []:
         os.chmod(os.path.join(built, name), 0o666 & ~umask)
-    os.chmod(built, 0o777 & ~umask)
+    os.chmod(built, (0o777 if os.path.isdir(built) else 0o666) & ~umask)
+    if not os.path.isdir(built):
+        os.replace(built, path)
+        return
     old = None
     if os.path.exists(path):
         old = tempfile.mkdtemp(prefix=".old-", dir=os.path.dirname(os.path.abspath(path)))
@@ -170,39 +241,112 @@ def report(diff, same_ids, theirs, ours):
     return diff < 1e-4 and same_ids and parted is None
 
 
+def export_gguf(model, bpe, path, kind):
+    """Write the GGUF with llama.cpp's own writer; run it through llama.cpp when that is installed."""
+    serve.write_gguf(path, model.cfg, neox_state_dict(model), *spelled_vocabulary(bpe), kind)
+    print(f"GGUF, {kind}: GPT-NeoX, GPT-2-style BPE with GPT-2's split, {os.path.getsize(path) / 2**20:.1f} MiB, "
+          f"nothing prepended, stop id {serve.STOP_ID} (byte 0xFF, in no UTF-8 text)")
+    try:
+        llm = serve.llama(path)
+    except ValueError as e:
+        print(f"llama.cpp: not run here ({e})")
+        return
+    prompt = bpe.encode(PROMPT)
+    engine_report("llama.cpp", llm.tokenize(SAMPLE.encode(), add_bos=False) == bpe.encode(SAMPLE),
+                  serve.llama_greedy(llm, prompt, 100), cached_tokens(model, prompt, 100))
+
+
+def export_ct2(model, bpe, hf, tokenizer, path):
+    """Write the CTranslate2 model through ctranslate2's converter classes; load it back and run it."""
+    serve.write_ct2(hf, tokenizer, path)
+    prompt = bpe.encode(PROMPT)
+    theirs = serve.ct2_greedy(serve.ct2_generator(path), tokenizer.convert_ids_to_tokens(prompt), 1, 100)[0]
+    engine_report("CTranslate2, float32", None, theirs, cached_tokens(model, prompt, 100))
+
+
+def cached_tokens(model, prompt, n_tokens):
+    return model.generate_cached(torch.tensor([prompt]), n_tokens)[0, len(prompt):].tolist()
+
+
+def engine_report(name, same_ids, theirs, ours):
+    """Print what an engine gave; its tokenizer must agree, its greedy tokens are reported (its GELU may differ)."""
+    if same_ids is not None:
+        print(f"{name}: tokenizer ids {'equal' if same_ids else 'DIFFER from'} bpe.py's on the sample text")
+    parted = first_difference(theirs, ours)
+    print(f"{name}: {len(ours)} greedy tokens from {PROMPT!r}: "
+          + ("the same tokens as cached.py" if parted is None else f"parts from cached.py after {parted} tokens"))
+    if same_ids is False:
+        raise ValueError(f"{name} tokenizes differently from bpe.py; nothing written")
+
+
+def work_folder(beside, works):
+    """A new, unique temporary folder beside an output (so the result moves in by a rename), or in /tmp."""
+    parent = os.path.dirname(os.path.abspath(beside)) if beside else tempfile.gettempdir()
+    works.append(tempfile.mkdtemp(prefix=".export-", dir=parent))
+    return works[-1]
+
+
 def main():
     logging.disable_progress_bar()  # seconds of work; their bars would bury the report
-    ap = Parser(description="Export a Part 3 checkpoint as a Hugging Face GPT-NeoX folder, and prove it exact.")
+    ap = Parser(description="Export a Part 3 checkpoint for the serving engines: a Hugging Face GPT-NeoX folder, "
+                            "a GGUF, a CTranslate2 model; each proven against this repo.")
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
-    ap.add_argument("out_dir", nargs="?", default="holmes-hf")
+    ap.add_argument("out_dir", nargs="?", help="the Hugging Face folder (default holmes-hf, unless --gguf/--ct2)")
     ap.add_argument("--tokenizer", default="tokenizer.json")
-    ap.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR whole")
-    ap.add_argument("--break", dest="broken", metavar="layout", help="export without the RoPE permutation")
+    ap.add_argument("--gguf", metavar="FILE", help=f"write a GGUF for llama.cpp ({serve.REQUIREMENTS})")
+    ap.add_argument("--gguf-type", default="f32", choices=serve.GGUF_TYPES)
+    ap.add_argument("--ct2", metavar="DIR", help=f"write a CTranslate2 model directory ({serve.REQUIREMENTS})")
+    ap.add_argument("--force", action="store_true", help="replace a previous export (never anything else)")
+    ap.add_argument("--break", dest="broken", metavar="layout|rotary", help="show a gotcha; writes nothing")
     args = ap.parse_args()
-    if args.broken not in (None, "layout"):
-        raise ValueError(f"--break must be 'layout', got {args.broken!r}")
-    if args.broken is None:
-        check_out_dir(args.out_dir, args.force)
+    if args.broken not in (None, "layout", "rotary"):
+        raise ValueError(f"--break must be 'layout' or 'rotary', got {args.broken!r}")
+    if args.broken and (args.gguf or args.ct2):
+        raise ValueError("--break writes nothing; drop --gguf and --ct2")
+    out_dir = args.out_dir or (None if args.gguf or args.ct2 else "holmes-hf")
+    outputs = [p for p in (out_dir, args.gguf, args.ct2) if p]
+    if not args.broken:
+        if len({os.path.abspath(p) for p in outputs}) < len(outputs):
+            raise ValueError("OUT_DIR, --gguf and --ct2 name the same path; give each its own")
+        inputs = [p for p in (args.checkpoint, args.tokenizer) if os.path.exists(p)]
+        if out_dir:
+            check_out_dir(out_dir, args.force, HF_FILES, inputs, "OUT_DIR")
+        if args.ct2:
+            check_out_dir(args.ct2, args.force, serve.CT2_FILES, inputs, "--ct2 DIR")
+        if args.gguf:
+            check_out_file(args.gguf, args.force, inputs)
+    for wanted, module in ((args.gguf, "gguf"), (args.ct2, "ctranslate2")):
+        if wanted:
+            serve.engine(module)
     model, bpe = load_pair(args.checkpoint, args.tokenizer)
-    parent = tempfile.gettempdir() if args.broken else os.path.dirname(os.path.abspath(args.out_dir))
-    built = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    works = []
     try:
-        write_folder(model, bpe, built, fix_layout=args.broken is None)
-        if args.broken:
-            print("--break layout: q and k rows left in Part 3's interleaved order, which GPT-NeoX reads as halves")
-        else:
-            print(f"{args.checkpoint} as GPTNeoXForCausalLM, {args.tokenizer} as a fast tokenizer, "
-                  "loaded back through transformers:")
-        exact = report(*compare(model, bpe, *load_folder(built)))
+        built = {}
+        folder = os.path.join(work_folder(None if args.broken else outputs[0], works), "hf")
+        write_folder(model, bpe, folder, fix_layout=args.broken != "layout",
+                     rotary_pct=0.25 if args.broken == "rotary" else 1.0)
+        print(BROKEN.get(args.broken, f"{args.checkpoint} as GPTNeoXForCausalLM, {args.tokenizer} as a fast "
+                                      "tokenizer, loaded back through transformers:"))
+        hf, tokenizer = load_folder(folder)
+        exact = report(*compare(model, bpe, hf, tokenizer))
         if args.broken:
             return
         if not exact:
-            raise ValueError(f"the exported folder does not reproduce {args.checkpoint}; {args.out_dir} not written")
-        replace_folder(built, args.out_dir)
-        print(f"wrote {args.out_dir}/")
+            raise ValueError(f"the exported folder does not reproduce {args.checkpoint}; nothing written")
+        if args.gguf:
+            built[args.gguf] = os.path.join(work_folder(args.gguf, works), "model.gguf")
+            export_gguf(model, bpe, built[args.gguf], args.gguf_type)
+        if args.ct2:
+            built[args.ct2] = os.path.join(work_folder(args.ct2, works), "ct2")
+            export_ct2(model, bpe, hf, tokenizer, built[args.ct2])
+        if out_dir:
+            built[out_dir] = folder
+        for path, result in built.items():
+            put_in_place(result, path)
+            print(f"wrote {path}")
     finally:
-        if os.path.exists(built):
-            shutil.rmtree(built)
+        for work in works:
+            shutil.rmtree(work)
 
 
 if __name__ == "__main__":

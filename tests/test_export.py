@@ -1,6 +1,12 @@
-"""export.py: the Hugging Face folder computes what model.py computes, and speaks bpe.py's ids."""
+"""export.py: the Hugging Face folder computes what model.py computes, and speaks bpe.py's ids; nothing is lost."""
+import hashlib
+import json
+import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,15 +137,104 @@ def test_break_layout_really_moves_the_logits_and_keeps_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_existing_folder_is_not_touched_without_force(tmp_path, monkeypatch):
-    out = tmp_path / "mine"
-    out.mkdir()
-    (out / "notes.txt").write_text("keep me")
-    assert "exists and is not empty; pass --force" in one_line_exit(monkeypatch, "holmes.pt", out)
-    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+def test_config_json_carries_what_transformers_4_reads(shipped, tmp_path):
+    model, bpe, _, _ = shipped
+    write_folder(model, bpe, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    # without rotary_pct transformers 4 rotates a quarter of each head; it does not know TokenizersBackend
+    assert config["rotary_pct"] == 1.0 and config["rotary_emb_base"] == 10000
+    assert config["rope_parameters"]["partial_rotary_factor"] == 1.0
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+def test_break_rotary_shows_what_transformers_4_makes_of_a_folder_without_rotary_pct(tmp_path):
+    run = run_export("holmes.pt", tmp_path / "out", "--break", "rotary")
+    assert run.returncode == 0, run.stderr
+    assert float(run.stdout.split("largest difference from model.py ")[1].split()[0]) > 1.0
+    assert "parts from cached.py after" in run.stdout and not (tmp_path / "out").exists()
+
+
+def sha256s(folder):
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def a_previous_export(folder):
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (folder / name).write_text(f"an earlier {name}")
+    return folder
+
+
+def a_working_folder(tmp_path):
+    """A reader's folder: the checkpoint and tokenizer it exports from, and a script."""
+    for name in ("holmes.pt", "tokenizer.json"):
+        shutil.copy(name, tmp_path / name)
+    (tmp_path / "notes.py").write_text("print('keep me')")
+    return tmp_path
+
+
+# (arguments, what the one line says); {w} is a reader's working folder
+NOTHING_LOST = {
+    "the working folder as OUT_DIR": (["{w}/holmes.pt", "{w}", "--tokenizer", "{w}/tokenizer.json", "--force"],
+                                      "also holds holmes.pt, mine, notes.py, old, which it would remove"),
+    "a folder with other files": (["{w}/holmes.pt", "{w}/mine", "--tokenizer", "{w}/tokenizer.json", "--force"],
+                                  "also holds notes.txt, which it would remove"),
+    "an export holding the tokenizer it reads": (["{w}/holmes.pt", "{w}/old", "--tokenizer", "{w}/old/tokenizer.json",
+                                                  "--force"], "holds {w}/old/tokenizer.json, which this export reads"),
+    "an existing OUT_DIR without --force": (["{w}/holmes.pt", "{w}/old", "--tokenizer", "{w}/tokenizer.json"],
+                                            "exists and is not empty; pass --force"),
+    "the checkpoint as --gguf": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf", "{w}/holmes.pt",
+                                  "--force"], "is {w}/holmes.pt, which this export reads"),
+    "a folder as --gguf": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf", "{w}/old", "--force"],
+                           "it is a folder"),
+    "an existing --gguf without --force": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf",
+                                            "{w}/notes.py"], "already exists; pass --force"),
+    "the working folder as --ct2": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--ct2", "{w}", "--force"],
+                                    "also holds holmes.pt, mine, notes.py, old and 1 more, which it would remove"),
+    "a Hugging Face export as --ct2": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--ct2", "{w}/old",
+                                        "--force"], "also holds model.safetensors, tokenizer.json, which it would"),
+}
+
+
+@pytest.mark.parametrize("case", NOTHING_LOST)
+def test_nothing_is_lost_whatever_the_flags(case, tmp_path, monkeypatch):
+    work = a_working_folder(tmp_path)
+    (work / "mine").mkdir()
+    (work / "mine" / "notes.txt").write_text("keep me")
+    a_previous_export(work / "old")
+    before = sha256s(work)
+    args, message = NOTHING_LOST[case]
+    line = one_line_exit(monkeypatch, *(a.format(w=work) for a in args))
+    assert message.format(w=work) in line and "Traceback" not in line
+    assert sha256s(work) == before
+
+
+def test_force_replaces_a_previous_export_whole(tmp_path):
+    out = a_previous_export(tmp_path / "holmes-hf")
     run = run_export("holmes.pt", out, "--force")
     assert run.returncode == 0, run.stderr
-    assert not (out / "notes.txt").exists() and (out / "config.json").exists()
+    assert (out / "config.json").read_text().startswith("{") and (out / "generation_config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["holmes-hf"]  # no temporary folder left
+
+
+def test_an_interrupted_export_removes_its_temporary_folder_and_says_so_in_one_line(tmp_path):
+    export = subprocess.Popen([sys.executable, "export.py", "holmes.pt", tmp_path / "out"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(p.name.startswith(".export-") for p in tmp_path.iterdir()):  # the work has begun
+        assert export.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    export.send_signal(signal.SIGTERM)
+    _, err = export.communicate(timeout=60)
+    assert export.returncode == 1 and err.strip() == "export.py: interrupted; nothing half-written was left behind"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_engine_is_one_line_naming_the_requirements_file(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # what a reader without the engines has
+    assert one_line_exit(monkeypatch, "holmes.pt", "--ct2", tmp_path / "ct2") == \
+        "export.py: error: ctranslate2 is not installed; pip install -r requirements-serve.txt"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_tokenizer_of_another_size_is_refused_naming_both(tmp_path, monkeypatch):

@@ -1,0 +1,172 @@
+"""The engines' side of export.py: a GGUF for llama.cpp, a CTranslate2 model, and each engine run greedily.
+
+Not a script. export.py (--gguf, --ct2), the engine tests and bench.py's peers
+table import it; nothing else does, so a reader without requirements-serve.txt
+still runs every other script. It takes what export.py already built (the
+weights under GPT-NeoX's names and layout, the vocabulary in GPT-2's byte
+alphabet) and hands it to each engine's own writer: the `gguf` package is
+llama.cpp's, and the CTranslate2 model goes through ctranslate2's GPT-NeoX
+loader. No engine is patched.
+
+BOS and EOS. Part 1's tokenizer has no special tokens, and llama.cpp, left
+without ids, takes id 11 (a vertical-tab byte) as both. Here nothing is
+prepended to a prompt, and the stop id is the byte 0xFF: ids 0-255 are raw
+bytes, and 0xFF never occurs in UTF-8, so no text encodes to it and a model
+trained on text does not pick it.
+"""
+import importlib
+import os
+from types import SimpleNamespace
+
+import numpy as np
+
+REQUIREMENTS = "requirements-serve.txt"
+GGUF_TYPES = ("f32", "f16", "q8_0")
+STOP_ID = 0xFF  # the byte no UTF-8 text holds: the honest end-of-text id for a vocabulary without one
+CT2_FILES = {"config.json", "model.bin", "vocabulary.json", "vocabulary.txt", "shared_vocabulary.json"}
+
+
+def engine(module):
+    """Import an engine package, or stop with one line naming the requirements file."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing = "" if e.name == module else f" ({e.name} missing)"
+        raise ValueError(f"{module} is not installed{missing}; pip install -r {REQUIREMENTS}") from None
+
+
+def write_gguf(path, cfg, tensors, tokens, merges, kind="f32"):
+    """A GGUF llama.cpp loads as it is: GPT-NeoX, GPT-2-style BPE with GPT-2's split (Part 1's).
+
+    tensors: GPT-NeoX-named weights (export.neox_state_dict); tokens and merges in GPT-2's byte alphabet."""
+    gguf = engine("gguf")
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPTNEOX])
+    writer.add_context_length(cfg.context)
+    writer.add_embedding_length(cfg.d_model)
+    writer.add_block_count(cfg.n_layers)
+    writer.add_feed_forward_length(4 * cfg.d_model)
+    writer.add_rope_dimension_count(cfg.head_dim)  # the whole head rotates
+    writer.add_rope_freq_base(10000.0)
+    writer.add_head_count(cfg.n_heads)  # export.py has already repeated GQA's key and value heads
+    writer.add_parallel_residual(False)
+    writer.add_layer_norm_eps(1e-5)
+    writer.add_file_type(file_type)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([f"{a} {b}" for a, b in merges])
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_bos_token_id(STOP_ID)
+    writer.add_eos_token_id(STOP_ID)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPTNEOX, cfg.n_layers)
+    for name, tensor in tensors.items():
+        if "query_key_value" in name:
+            # transformers fuses q, k, v per head; llama.cpp reads all q, then all k, then all v
+            tensor = tensor.unflatten(0, (cfg.n_heads, 3, cfg.head_dim)).transpose(0, 1).flatten(0, 2)
+        data = tensor.float().numpy()
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        # as llama.cpp's converter does: norms and biases stay f32, only matrices shrink
+        if data.ndim == 1 or kind == "f32":
+            writer.add_tensor(gguf_name, data)
+        elif kind == "f16":
+            writer.add_tensor(gguf_name, data.astype(np.float16))
+        else:
+            kind_q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, kind_q8), raw_dtype=kind_q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_ct2(hf, tokenizer, out_dir):
+    """A CTranslate2 model directory through ctranslate2's own GPT-NeoX loader, float32.
+
+    The loader reads two names transformers 5 no longer has, config.rotary_pct (now in
+    rope_parameters) and the output matrix embed_out (now lm_head), and copies null
+    bos/eos/unk strings that its Generator then refuses; it is handed them here."""
+    converters = engine("ctranslate2.converters")
+    loader = converters.transformers.GPTNeoXLoader()
+    config = SimpleNamespace(**hf.config.to_dict(), rotary_pct=hf.config.rope_parameters["partial_rotary_factor"])
+    model = SimpleNamespace(config=config, gpt_neox=hf.gpt_neox, embed_out=hf.get_output_embeddings())
+    stop = tokenizer.convert_ids_to_tokens(STOP_ID)
+    vocab = SimpleNamespace(get_vocab=tokenizer.get_vocab, bos_token=stop, eos_token=stop, unk_token=stop)
+
+    class FolderConverter(converters.Converter):
+        def _load(self):
+            return loader(model, vocab)
+    FolderConverter().convert(out_dir, quantization="float32")
+
+
+def llama(path, n_ctx=1024):
+    """llama.cpp (through llama-cpp-python) with the GGUF, on all of torch's CPU threads, quiet."""
+    import torch
+    llama_cpp = engine("llama_cpp")
+    return llama_cpp.Llama(os.fspath(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
+                           n_threads_batch=torch.get_num_threads(), verbose=False)
+
+
+def llama_greedy(llm, prompt, n_tokens):
+    """n_tokens greedy ids after the prompt ids, through llama.cpp's own sampler (temperature 0, no penalty)."""
+    out = []
+    for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(token)
+        if len(out) == n_tokens:
+            return out
+    return out
+
+
+def llama_greedy_batch(path, prompt, batch, n_tokens):
+    """batch greedy continuations of one prompt, decoded together through llama.cpp's batched C API.
+
+    The prompt is decoded once into KV cells every sequence shares (the prefill-and-clone
+    trick), then each step decodes one token per sequence in one call."""
+    import torch
+    llama_cpp = engine("llama_cpp")
+    model = llama_cpp.llama_model_load_from_file(os.fsencode(path), llama_cpp.llama_model_default_params())
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = params.n_batch = len(prompt) + batch * n_tokens
+    params.n_seq_max, params.kv_unified = batch, True
+    params.n_threads = params.n_threads_batch = torch.get_num_threads()
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    tokens = llama_cpp.llama_batch_init(max(len(prompt), batch), 0, batch)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+
+    def decode(rows):  # rows of (token, position, sequence ids, wants logits); the argmax of each wanted row
+        tokens.n_tokens = len(rows)
+        for i, (token, pos, seqs, logits) in enumerate(rows):
+            tokens.token[i], tokens.pos[i], tokens.n_seq_id[i], tokens.logits[i] = token, pos, len(seqs), logits
+            for j, seq in enumerate(seqs):
+                tokens.seq_id[i][j] = seq
+        if llama_cpp.llama_decode(ctx, tokens) != 0:
+            raise RuntimeError("llama.cpp could not decode a batch")
+        wanted = sum(logits for *_, logits in rows)
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(wanted, n_vocab)).argmax(-1)
+    try:
+        every = list(range(batch))
+        out = [decode([(t, p, every, p == len(prompt) - 1) for p, t in enumerate(prompt)]).repeat(batch)]
+        for pos in range(len(prompt), len(prompt) + n_tokens - 1):
+            out.append(decode([(int(out[-1][s]), pos, [s], True) for s in every]))
+        return np.stack(out, axis=1).tolist()
+    finally:
+        llama_cpp.llama_batch_free(tokens)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+
+
+def ct2_generator(path):
+    import torch
+    ctranslate2 = engine("ctranslate2")
+    return ctranslate2.Generator(str(path), device="cpu", compute_type="float32",
+                                 intra_threads=torch.get_num_threads())
+
+
+def ct2_greedy(generator, tokens, batch, n_tokens):
+    """batch greedy continuations of one prompt (token strings), as ids."""
+    results = generator.generate_batch([tokens] * batch, max_length=n_tokens, min_length=n_tokens,
+                                       sampling_topk=1, include_prompt_in_result=False)
+    return [r.sequences_ids[0] for r in results]

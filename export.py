@@ -43,6 +43,7 @@ import tempfile
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging
 
@@ -139,7 +140,10 @@ def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0):
     # engines' converters) read rotary_pct, and without it take 0.25: 16 of 64 channels rotate.
     neox.rotary_pct, neox.rotary_emb_base = rotary_pct, 10000
     hf = GPTNeoXForCausalLM(neox)
-    hf.load_state_dict(neox_state_dict(model, fix_layout), strict=True)
+    weights = neox_state_dict(model, fix_layout)
+    if "embed_out.weight" in hf.state_dict():  # transformers 4's name for the output matrix
+        weights["embed_out.weight"] = weights.pop("lm_head.weight")
+    hf.load_state_dict(weights, strict=True)
     hf.save_pretrained(path)
     fast_tokenizer(bpe).save_pretrained(path)
     # transformers 5 names its class TokenizersBackend, which 4 does not know; both know this one
@@ -286,6 +290,18 @@ def work_folder(beside, works):
     return works[-1]
 
 
+def check_folder(args):
+    """--check: an existing Hugging Face folder, read by whichever transformers is installed (4 or 5)."""
+    if args.broken or args.gguf or args.ct2 or args.out_dir:
+        raise ValueError("--check reads a folder and writes nothing; give it with CHECKPOINT and --tokenizer only")
+    if not os.path.isdir(args.check) or not os.path.exists(os.path.join(args.check, "config.json")):
+        raise ValueError(f"--check {args.check}: not a folder with a config.json; give an exported folder")
+    model, bpe = load_pair(args.checkpoint, args.tokenizer)
+    print(f"{args.check} loaded through transformers {transformers.__version__}:")
+    if not report(*compare(model, bpe, *load_folder(args.check))):
+        raise ValueError(f"{args.check} does not reproduce {args.checkpoint}")
+
+
 def main():
     logging.disable_progress_bar()  # seconds of work; their bars would bury the report
     ap = Parser(description="Export a Part 3 checkpoint for the serving engines: a Hugging Face GPT-NeoX folder, "
@@ -298,7 +314,12 @@ def main():
     ap.add_argument("--ct2", metavar="DIR", help=f"write a CTranslate2 model directory ({serve.REQUIREMENTS})")
     ap.add_argument("--force", action="store_true", help="replace a previous export (never anything else)")
     ap.add_argument("--break", dest="broken", metavar="layout|rotary", help="show a gotcha; writes nothing")
+    ap.add_argument("--check", metavar="DIR", help="load an exported folder through the installed transformers "
+                                                   "and compare it with this repo; writes nothing")
     args = ap.parse_args()
+    if args.check is not None:
+        check_folder(args)
+        return
     if args.broken not in (None, "layout", "rotary"):
         raise ValueError(f"--break must be 'layout' or 'rotary', got {args.broken!r}")
     if args.broken and (args.gguf or args.ct2):
@@ -326,7 +347,7 @@ def main():
         write_folder(model, bpe, folder, fix_layout=args.broken != "layout",
                      rotary_pct=0.25 if args.broken == "rotary" else 1.0)
         print(BROKEN.get(args.broken, f"{args.checkpoint} as GPTNeoXForCausalLM, {args.tokenizer} as a fast "
-                                      "tokenizer, loaded back through transformers:"))
+                                      f"tokenizer, loaded back through transformers {transformers.__version__}:"))
         hf, tokenizer = load_folder(folder)
         exact = report(*compare(model, bpe, hf, tokenizer))
         if args.broken:

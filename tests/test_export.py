@@ -247,3 +247,19 @@ def test_a_tokenizer_of_another_size_is_refused_naming_both(tmp_path, monkeypatc
 def test_a_missing_checkpoint_is_the_one_line_error_of_the_other_scripts(tmp_path, monkeypatch):
     assert one_line_exit(monkeypatch, tmp_path / "nope.pt", tmp_path / "out") == \
         f"export.py: error: checkpoint {tmp_path / 'nope.pt'} not found; pass a Part 3 .pt file or train one"
+
+
+def test_check_reads_a_folder_as_the_installed_transformers_does_and_fails_on_a_quarter_rotary(tmp_path, monkeypatch,
+                                                                                               capsys):
+    write_folder(load("holmes.pt"), BPE.load("tokenizer.json"), tmp_path / "hf")
+    monkeypatch.setattr(sys, "argv", ["export.py", "--check", str(tmp_path / "hf")])
+    run_cli(export.main)
+    assert "100 tokens: the same tokens as cached.py" in capsys.readouterr().out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["rope_parameters"]["partial_rotary_factor"] = 0.25
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert one_line_exit(monkeypatch, "--check", tmp_path / "hf") == \
+        f"export.py: error: {tmp_path / 'hf'} does not reproduce holmes.pt"
+    assert "parts from cached.py after" in capsys.readouterr().out
+    assert one_line_exit(monkeypatch, "--check", tmp_path) == \
+        f"export.py: error: --check {tmp_path}: not a folder with a config.json; give an exported folder"

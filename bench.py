@@ -1,6 +1,6 @@
 """Every speed and memory figure the inference post claims, measured here.
 
-    python bench.py [cpu|cuda] [THREADS] [--quick] [--json PATH] [--runs 3] [--tables 3,4]
+    python bench.py [cpu|cuda] [THREADS] [--quick] [--json PATH] [--runs 3] [--tables 3,4] [--tokens 256]
 
 Untrained weights, greedy, fp32, 8-token random prompts, seeded. Each figure
 is the median of --runs runs after a warm-up, with its spread (half the range,
@@ -227,6 +227,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3, help="timed runs per figure (at least 3)")
     ap.add_argument("--force", action="store_true", help="replace an existing --json file")
     ap.add_argument("--tables", default="1,2,3,4,5", help="which tables to run, e.g. 3,4 (default: all)")
+    ap.add_argument("--tokens", type=int, nargs="+", help="table 4's lengths only (default 64 256 1024)")
     args = ap.parse_args()
     tables = set(args.tables.split(","))
     if not tables <= set("12345"):
@@ -241,6 +242,10 @@ def main():
     if args.json:
         check_output(args.json, args.force)
     sizes = QUICK if args.quick else FULL
+    if args.tokens:
+        if min(args.tokens) < 8:
+            raise ValueError(f"--tokens must be at least 8 (the warm-up's length), got {min(args.tokens)}")
+        sizes = sizes | {"lengths": tuple(args.tokens)}
 
     torch.manual_seed(0)
     model = CachedGPT().to(device).eval()

@@ -21,7 +21,7 @@ def positive_numbers(node, path="report"):
 
 def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--json", str(out)],
+    run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--tokens", "8", "--json", str(out)],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())

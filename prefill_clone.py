@@ -277,8 +277,8 @@ class Engine:
                 raise ValueError(f"kernel {kernel!r} with compile=True: inductor picks the compiled step's kernels; "
                                  "leave kernel='auto'")
         self.model = model if model.emb.weight.dtype == dtype else copy.deepcopy(model).to(dtype)
-        self.tokenizer, self.kernel, self.compile, self.cuda_graph, self.fill = tokenizer, kernel, compile, \
-            cuda_graph, fill
+        self.tokenizer, self.kernel, self.fill = tokenizer, kernel, fill
+        self.compile, self.cuda_graph = compile, cuda_graph
         self.rows, self.busy = [], False
         self.vocab_size = model.cfg.vocab_size
         self.chosen, self.steps, self.compile_seconds = {}, {}, {}  # each keyed by batch size

@@ -1,18 +1,19 @@
 """Every speed and memory figure the inference post claims, measured here.
 
-    python bench.py [cpu|cuda] [THREADS] [--quick] [--json PATH] [--runs 3]
+    python bench.py [cpu|cuda] [THREADS] [--quick] [--json PATH] [--runs 3] [--tables 3,4] [--tokens 256]
 
 Untrained weights, greedy, fp32, 8-token random prompts, seeded. Each figure
 is the median of --runs runs after a warm-up, with its spread (half the range,
 as a share of the median). Rows print as they are measured:
 
 1. Cache memory measured from the tensors against the formula.
-2. Time to first token: N separate prefills against one prefill plus a copy.
-3. Where the time goes: a decode step's matrix multiplies alone against the
-   whole step, each with the weights on the left and as nn.Linear runs them.
+2. Time to first token: N separate runs of the prompt against one plus a copy.
+3. The decode step's matrix multiply: every exact kernel in kernels.py timed
+   here, the one the Engine chose, and a whole step with it and with nn.Linear.
 4. The post's table: tok/s with no cache (Part 3's loop), cached.py's cache,
-   and prefill_clone's Engine (preallocated ring cache), as it runs by default
-   and with the Linear layers' weights on the left (model.weights_left).
+   and prefill_clone's Engine (preallocated ring cache, fastest kernel) as it
+   runs by default, compiled (compile=True, compile time reported apart) and
+   in bfloat16; then how far bfloat16 drifts from float32 on trained weights.
 5. CUDA only: kernels per decode step, the share of the step the GPU is busy,
    and the Engine with each decode step a CUDA-graph replay, at batch 1 and 16.
 6. The same weights through the serving engines installed (transformers always;
@@ -25,14 +26,15 @@ import time
 
 import torch
 
-from cached import CachedGPT
+from cached import CachedGPT, first_difference, load
 from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
-from model import Config, weights_left
-from prefill_clone import Engine, cloned_prefill, prefill, separate_prefills, sync, timed_generation
+from kernels import KERNELS, choose, sync
+from model import Config, Linear, linear_kernel
+from prefill_clone import Engine, clone_prompt, prompt_per_row, run_prompt, timed_generation
 
-FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50)
-QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), steps=5)
-ENGINES = {"engine": False, "engine_weights_left": True}  # column: Engine's weights_left
+FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50, drift=256)
+QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), steps=5, drift=16)
+CHECKPOINT = "holmes.pt"  # the shipped weights, for the bf16 drift
 
 
 def median(xs):
@@ -69,18 +71,22 @@ def machine(device):
 
 def table_decode(model, device, sizes, runs, out):
     print("\n4. decode speed, the post's table: tok/s = batch x tokens / seconds (median, ± half range)")
-    print("   Engine: prefill_clone's default (nn.Linear's matmul order); Engine, left: weights_left=True")
-    print(f"{'batch':>5} {'tokens':>6} {'no cache':>14} {'cached.py':>14} {'Engine':>14} {'Engine, left':>14} "
-          f"{'cache/none':>10} {'Engine/cached':>13} {'left/cached':>11}")
+    print("   Engine: prefill_clone's default (the fastest exact kernel, table 3); compiled: compile=True;")
+    print("   bf16: dtype=torch.bfloat16 (weights and cache; its drift from float32 below)")
+    print(f"{'batch':>5} {'tokens':>6} {'no cache':>14} {'cached.py':>14} {'Engine':>14} {'compiled':>14} "
+          f"{'bf16':>14} {'cache/none':>10} {'Engine/cached':>13} {'compiled/cached':>15} {'bf16/cached':>11}")
     gen = torch.Generator().manual_seed(0)
     for batch in sizes["batches"]:
         prompt = torch.randint(model.cfg.vocab_size, (1, 8), generator=gen)
         idx = prompt.expand(batch, -1).to(device)
         ways = {"no_cache": model.generate_uncached, "cached": model.generate_cached}
-        for name, on in ENGINES.items():
-            engine = Engine(model, weights_left=on)
+        engines = {"engine": Engine(model), "engine_compiled": Engine(model, compile=True),
+                   "engine_bf16": Engine(model, dtype=torch.bfloat16)}
+        for name, engine in engines.items():
             ways[name] = lambda i, k, engine=engine: engine.generate_batch(prompt[0].tolist(), batch, max_tokens=k,
-                                                                             temperature=0)
+                                                                             temperature=0)[0]
+        if ways["engine_compiled"](idx, 32) != ways["engine"](idx, 32):  # the first call also compiles
+            raise SystemExit("bench.py: error: the compiled Engine gave other tokens than the eager one")
         for n in sizes["lengths"]:
             row = {"batch": batch, "tokens": n}
             for name, fn in ways.items():
@@ -88,18 +94,39 @@ def table_decode(model, device, sizes, runs, out):
                                     label=f"batch {batch}, {n} tokens, {name}:")
                 row[name] = batch * n / t
                 row[name + "_spread"] = spread
+            row["compile_seconds"] = engines["engine_compiled"].compile_seconds[batch]
             out.append(row)
             cells = " ".join(f"{row[k]:>7,.0f} ±{row[k + '_spread']:>4.0%}" for k in ways)
             ratios = (f"{row['cached'] / row['no_cache']:>9.1f}x {row['engine'] / row['cached']:>12.2f}x "
-                      f"{row['engine_weights_left'] / row['cached']:>10.2f}x")
+                      f"{row['engine_compiled'] / row['cached']:>14.2f}x {row['engine_bf16'] / row['cached']:>10.2f}x")
             print(f"{batch:>5} {n:>6} {cells} {ratios}", flush=True)
+        print(f"   batch {batch}: compiling the step took {row['compile_seconds']:.1f} s (not in the figures); "
+              f"Engine's kernel: {engines['engine'].chosen[batch]}")
+
+
+@torch.inference_mode()
+def table_drift(device, n_tokens, out):
+    print(f"\n4b. bf16 drift from float32, {CHECKPOINT} (trained weights: untrained scores are too flat to say much),")
+    print(f"   greedy, {n_tokens} tokens from an 8-token prompt: the first token where bf16 parts, and the largest")
+    print("   logit difference along the float32 tokens (at most the context's positions, in one forward)")
+    model = load(CHECKPOINT, device) if os.path.exists(CHECKPOINT) else CachedGPT().to(device).eval()
+    prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+    full, half = Engine(model), Engine(model, dtype=torch.bfloat16)
+    tokens, low = (e.generate_batch(prompt, 1, max_tokens=n_tokens, temperature=0)[0][0] for e in (full, half))
+    parts = first_difference(tokens, low)
+    ids = torch.tensor([prompt + tokens], device=device)[:, :model.cfg.context]
+    diff = (half.model(ids)[0].float() - model(ids)[0]).abs().max().item()
+    out.update({"weights": CHECKPOINT if os.path.exists(CHECKPOINT) else "untrained", "tokens": n_tokens,
+                "first_difference": parts, "max_logit_difference": diff})
+    where = f"at token {parts}" if parts is not None else "never"
+    print(f"  bf16 parts from float32 {where} of {n_tokens}; largest logit difference {diff:.3f}")
 
 
 def table_memory(device, out):
     print("\n1. cache memory at 256 tokens, batch 1, fp32: 2 (k, v) x layers x tokens x kv width x 4 bytes")
     for name, cfg in (("Part 3 (4 heads)", Config()), ("GQA (4 q heads, 1 kv head)", Config(n_kv_heads=1))):
         model = CachedGPT(cfg).to(device).eval()
-        _, cache = prefill(model, torch.zeros(1, 256, dtype=torch.long, device=device), 256)  # what a prompt fills
+        _, cache = run_prompt(model, torch.zeros(1, 256, dtype=torch.long, device=device), 256)  # what a prompt fills
         formula = 2 * cfg.n_layers * 256 * cfg.n_kv_heads * cfg.head_dim * 4
         out.append({"config": name, "measured_bytes": cache.nbytes(), "formula_bytes": formula})
         print(f"  {name:<28} measured {cache.nbytes() / 2**20:.2f} MiB, formula {formula / 2**20:.2f} MiB")
@@ -112,9 +139,9 @@ def table_prefill(model, device, sizes, runs, out):
     for n_prompt in sizes["prompts"]:
         prompt = torch.randint(model.cfg.vocab_size, (n_prompt,), generator=gen).tolist()
         for n in sizes["clones"]:
-            sep, clone = (measure(lambda: timed_generation(Engine(model, prefill=first), prompt, n, 1, temperature=0),
+            sep, clone = (measure(lambda: timed_generation(Engine(model, fill=fill), prompt, n, 1, temperature=0),
                                   runs, device)[0]
-                          for first in (separate_prefills, cloned_prefill))
+                          for fill in (prompt_per_row, clone_prompt))
             out.append({"prompt": n_prompt, "n": n, "separate_ms": sep * 1e3, "clone_ms": clone * 1e3})
             print(f"{n_prompt:>6} {n:>3} {sep * 1e3:>10.1f} {clone * 1e3:>10.1f} {sep / clone:>7.1f}x", flush=True)
 
@@ -123,52 +150,31 @@ def decode_fixture(model, batch, device):
     """A batch-row cache filled to the full window, and a token to feed."""
     ctx = model.cfg.context
     idx = torch.randint(model.cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(2)).to(device)
-    _, cache = prefill(model, idx, ctx)
+    _, cache = run_prompt(model, idx, ctx)
     return idx[:, -1:], cache
 
 
-def matmuls_only(model, batch, ctx, device):
-    """The decode step's matrix multiplies through the model's own Linear layers, nothing else."""
-    cfg = model.cfg
-    x = torch.randn(batch, 1, cfg.d_model, device=device)
-    h = torch.randn(batch, 1, 4 * cfg.d_model, device=device)
-    q = torch.randn(batch, cfg.n_heads, 1, cfg.head_dim, device=device)
-    keys = torch.randn(batch, cfg.n_heads, cfg.head_dim, ctx, device=device)
-    scores = torch.randn(batch, cfg.n_heads, 1, ctx, device=device)
-    values = torch.randn(batch, cfg.n_heads, ctx, cfg.head_dim, device=device)
-
-    def run():
-        for block in model.blocks:
-            block.attn.qkv(x)
-            q @ keys
-            scores @ values
-            block.attn.out(x)
-            block.mlp[0](x)
-            block.mlp[2](h)
-        return model.head(x[:, -1])
-    return run
-
-
 @torch.inference_mode()
-def table_overhead(model, device, sizes, runs, out):
-    print(f"\n3. where the time goes: one decode step at a full {model.cfg.context}-position cache "
-          f"(ms, median of {sizes['steps']} steps)")
-    print("   the whole step, and its matrix multiplies alone, with the weights on the left (W @ rows.T)")
-    print("   and as nn.Linear runs them (rows @ W.T, what cached.py runs)")
-    print(f"{'batch':>5} {'step, left':>11} {'step, nn':>9} {'matmuls, left':>14} {'matmuls, nn':>12}")
+def table_kernels(model, device, sizes, runs, out):
+    print(f"\n3. the decode step's matrix multiply: every exact kernel (kernels.py) timed for one step's "
+          f"{sum(isinstance(m, Linear) for m in model.modules())} products")
+    print("   (ms, fastest of 5 interleaved runs), as the Engine measures them; then one whole step at a full")
+    print(f"   {model.cfg.context}-position cache with the chosen kernel and with nn.Linear (ms, median of "
+          f"{sizes['steps']} steps)")
     for batch in sizes["batches"]:
+        chosen, measured = choose(model, batch)
         token, cache = decode_fixture(model, batch, device)
         ctx, steps = model.cfg.context, sizes["steps"]
-        floor = matmuls_only(model, batch, ctx, device)
-        row = {"batch": batch}
-        for name, on in (("left", True), ("nn_linear", False)):
-            with weights_left(on):
-                step = measure(lambda: [model.step(token, cache, ctx) for _ in range(steps)], runs, device)[0]
-                mm = measure(lambda: [floor() for _ in range(steps)], runs, device)[0]
-            row[f"step_ms_{name}"], row[f"matmul_ms_{name}"] = step / steps * 1e3, mm / steps * 1e3
+        row = {"batch": batch, "kernels_ms": {n: t and t * 1e3 for n, t in measured.items()}, "chosen": chosen}
+        for name in (chosen, "nn"):
+            with linear_kernel(None if name == "nn" else KERNELS[name]):
+                t = measure(lambda: [model.step(token, cache, ctx) for _ in range(steps)], runs, device)[0]
+            row[f"step_ms_{'nn' if name == 'nn' else 'chosen'}"] = t / steps * 1e3
         out.append(row)
-        print(f"{batch:>5} {row['step_ms_left']:>11.3f} {row['step_ms_nn_linear']:>9.3f} "
-              f"{row['matmul_ms_left']:>14.3f} {row['matmul_ms_nn_linear']:>12.3f}", flush=True)
+        cells = ", ".join(f"{n} {'not exact' if t is None else f'{t:.2f}'}" for n, t in row["kernels_ms"].items())
+        print(f"  batch {batch:>2}: {cells}")
+        print(f"            chosen: {chosen}; whole step {row['step_ms_chosen']:.3f} ms, "
+              f"with nn.Linear {row['step_ms_nn']:.3f} ms", flush=True)
 
 
 @torch.inference_mode()
@@ -262,7 +268,12 @@ def main():
     ap.add_argument("--json", metavar="PATH", help="write every figure here")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per figure (at least 3)")
     ap.add_argument("--force", action="store_true", help="replace an existing --json file")
+    ap.add_argument("--tables", default="1,2,3,4,5,6", help="which tables to run, e.g. 3,4 (default: all)")
+    ap.add_argument("--tokens", type=int, nargs="+", help="table 4's lengths only (default 64 256 1024)")
     args = ap.parse_args()
+    tables = set(args.tables.split(","))
+    if not tables <= set("123456"):
+        raise ValueError(f"--tables takes numbers 1 to 6 separated by commas, got {args.tables!r}")
     device = device_from(args.device)
     if args.threads is not None:
         if not 1 <= args.threads <= os.cpu_count():
@@ -273,20 +284,31 @@ def main():
     if args.json is not None:
         check_output(args.json, args.force)
     sizes = QUICK if args.quick else FULL
+    if args.tokens:
+        if min(args.tokens) < 8:
+            raise ValueError(f"--tokens must be at least 8 (the warm-up's length), got {min(args.tokens)}")
+        sizes = sizes | {"lengths": tuple(args.tokens)}
 
     torch.manual_seed(0)
     model = CachedGPT().to(device).eval()
     info = machine(device)
     print(f"bench.py: {info['device']} ({info.get('gpu', info['cpu'])}), {info['threads']} threads, "
           f"torch {info['torch']}, untrained weights, greedy, fp32, median of {args.runs} runs after a warm-up")
-    report = {"machine": info, "quick": args.quick, "runs": args.runs,
-              "decode": [], "memory": [], "prefill_clone": [], "overhead": [], "cuda": {}}
-    table_memory(device, report["memory"])
-    table_prefill(model, device, sizes, args.runs, report["prefill_clone"])
-    table_overhead(model, device, sizes, args.runs, report["overhead"])
-    table_decode(model, device, sizes, args.runs, report["decode"])
-    table_cuda(model, device, sizes, args.runs, report["cuda"])
-    table_peers(model, device, sizes, args.runs, report.setdefault("peers", []))
+    report = {"machine": info, "quick": args.quick, "runs": args.runs, "tables": sorted(tables),
+              "decode": [], "memory": [], "prefill_clone": [], "kernels": [], "bf16_drift": {}, "cuda": {}}
+    if "1" in tables:
+        table_memory(device, report["memory"])
+    if "2" in tables:
+        table_prefill(model, device, sizes, args.runs, report["prefill_clone"])
+    if "3" in tables:
+        table_kernels(model, device, sizes, args.runs, report["kernels"])
+    if "4" in tables:
+        table_decode(model, device, sizes, args.runs, report["decode"])
+        table_drift(device, sizes["drift"], report["bf16_drift"])
+    if "5" in tables:
+        table_cuda(model, device, sizes, args.runs, report["cuda"])
+    if "6" in tables:
+        table_peers(model, device, sizes, args.runs, report.setdefault("peers", []))
     if args.json is not None:
         with atomic_write(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -4,8 +4,8 @@ Module names, state-dict keys, init and checkpoint format are Part 3's, so a
 Part 3 checkpoint loads here with strict=True, and what save_checkpoint writes
 loads in Part 3's own code. Two additions that change nothing unless asked
 for: Config.n_kv_heads (grouped-query attention; default n_heads) and
-Linear's switchable matmul order (weights_left; default off). The one RoPE,
-rope_at(x, start), serves Part 3 (start=0) and every cached step.
+Linear's switchable matmul kernel (linear_kernel(); default off: nn.Linear).
+The one RoPE, rope_at(x, start), serves Part 3 (start=0) and every cached step.
 
     python model.py
 
@@ -88,32 +88,30 @@ def rope_table(start, T, head_dim, device):
 
 
 class Linear(nn.Linear):
-    """nn.Linear, with one switchable speed trick for the few rows of a decode step.
+    """nn.Linear, whose product can be handed to another kernel while one is switched on (linear_kernel()).
 
-    With Linear.weights_left on (see weights_left()), an input of 2 to 32 rows is multiplied
-    as W @ rows.T instead of rows @ W.T: the same product, in the order that MKL ran faster
-    on the CPU this repo was measured on (bench.py table 3 times both orders on yours).
+    A kernel is fn(layer, rows) -> rows @ W.T + b for rows (R, in_features), or None to leave those
+    rows to nn.Linear. kernels.py holds the candidates; prefill_clone.Engine switches on the one it
+    measured fastest, only around its decode steps. Off (None), this is nn.Linear.
     """
-    weights_left = False
+    kernel = None
 
     def forward(self, x):
-        if not Linear.weights_left:
-            return super().forward(x)
-        rows = x.reshape(-1, x.shape[-1])
-        if not 1 < rows.shape[0] <= 32:
-            return super().forward(x)
-        out = self.weight @ rows.T if self.bias is None else torch.addmm(self.bias[:, None], self.weight, rows.T)
-        return out.T.contiguous().view(*x.shape[:-1], -1)
+        if Linear.kernel is not None:
+            out = Linear.kernel(self, x.reshape(-1, x.shape[-1]))
+            if out is not None:
+                return out.view(*x.shape[:-1], -1)
+        return super().forward(x)
 
 
 @contextmanager
-def weights_left(on=True):
-    """Run the model's Linear layers with the weights on the left (on) or as nn.Linear (off)."""
-    before, Linear.weights_left = Linear.weights_left, on
+def linear_kernel(kernel):
+    """Run the model's Linear layers through kernel(layer, rows) (None: as nn.Linear) inside the block."""
+    before, Linear.kernel = Linear.kernel, kernel
     try:
         yield
     finally:
-        Linear.weights_left = before
+        Linear.kernel = before
 
 
 class RoPEAttention(nn.Module):

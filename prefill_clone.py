@@ -1,18 +1,21 @@
-"""nanochat's trick: prefill the prompt once at batch 1, copy it into N rows.
+"""nanochat's trick: run the prompt once at batch 1, copy its cache into N rows.
 
 KVCache is the second cache behind cached.py's one forward: preallocated once,
 shaped like nanochat's (n_layers, batch, max_len, n_kv_heads, head_dim), each
 step's keys written in place at slot position % max_len, so past the context
 window it is a ring holding exactly the last `context` positions. Engine runs
-one batch-1 prefill, clones it into a batch-N cache and lets every row decode
-on its own: its own first token (not one broadcast to all rows, as in
-nanochat), its own seeded generator, knobs, forced tokens and stop rule.
+the prompt once (run_prompt), clones it into a batch-N cache (KVCache.prefill,
+nanochat's name) and lets every row decode on its own: its own first token
+(not one broadcast to all rows, as in nanochat), its own seeded generator,
+knobs, forced tokens and stop rule. Its decode step runs the fastest exact
+matrix multiply measured here (kernels.py), or compiled, or in bfloat16.
 
-    python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0
+    python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0 [--compile] [--dtype bfloat16]
 
 prints N samples, then time to first token and total time of the clone path
-against N separate prefills of the same prompt, measured side by side.
+against N separate runs of the same prompt, measured side by side.
 """
+import copy
 import operator
 import time
 from collections import deque
@@ -22,8 +25,9 @@ import torch
 
 from bpe import utf8_bytes
 from cached import encode_prompt, load_pair
-from cli import Parser, as_id, check_count, check_fits, run_cli, show_progress
-from model import check_finite, weights_left
+from cli import Parser, as_id, check_count, check_fits, device_from, run_cli, show_progress
+from kernels import KERNELS, choose, kernel_named, sync
+from model import check_finite, linear_kernel
 from sampling import check_knobs, draw
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
@@ -150,66 +154,81 @@ def cache_len(model, n_prompt, n_tokens):
 
 
 @torch.inference_mode()
-def prefill(model, idx, max_len):
+def run_prompt(model, idx, max_len):
     """Run the prompt idx (B, T) once into a new KVCache of max_len positions; return its logits and the cache."""
     cache = KVCache.for_model(model, idx.shape[0], max_len)
     return model.step(idx, cache, 0), cache
 
 
-def cloned_prefill(model, prompt, n, max_len):
-    """One batch-1 prefill, copied into every row of a batch-n cache."""
-    logits, one = prefill(model, prompt, prompt.shape[1])
-    cache = KVCache.for_model(model, n, max_len)
+def clone_prompt(model, prompt, cache):
+    """nanochat's way: one batch-1 run of the prompt, copied into every row of the empty `cache`."""
+    logits, one = run_prompt(model, prompt, prompt.shape[1])
     cache.prefill(one)
-    return logits.expand(n, -1), cache
+    return logits.expand(cache.shape["batch"], -1)
 
 
-def separate_prefills(model, prompt, n, max_len):
-    """The naive path, for comparison: each of the n rows runs its own prefill of the same prompt."""
-    cache = KVCache.for_model(model, n, max_len)
+def prompt_per_row(model, prompt, cache):
+    """The naive way, for comparison: each row of `cache` runs the same prompt itself."""
     T = prompt.shape[1]
-    for i in range(n):
-        logits, one = prefill(model, prompt, T)
+    for i in range(cache.shape["batch"]):
+        logits, one = run_prompt(model, prompt, T)
         cache.k[:, i, :T], cache.v[:, i, :T] = one.k[:, 0], one.v[:, 0]
     cache.cache_seqlens.fill_(T)
-    return logits.expand(n, -1), cache
+    return logits.expand(cache.shape["batch"], -1)
 
 
-class GraphedStep:
-    """model.step for one token per row, captured once as a CUDA graph and replayed.
+# inductor settings that won on a CPU: weights frozen as constants (float32 products then run on
+# MKL-packed weights) and the graph called from C++ rather than Python
+COMPILE_OPTIONS = {"cpu": {"freezing": True, "cpp_wrapper": True}, "cuda": {}}
 
-    Static token and logits buffers; each row's position is read from cache_seqlens on the
-    device and the cache is written in place, so a replay needs no Python-side state.
-    With capture=False the same buffers and the same graph-safe forward run eagerly
-    (how the CPU tests it).
+
+class DecodeStep:
+    """model.step for one token per row, graph-safe, optionally compiled and/or captured as a CUDA graph.
+
+    A static token buffer; each row's position is read from cache_seqlens on the device and the cache
+    is written in place, so a step needs no Python-side state: what torch.compile (one graph, no
+    breaks) and a CUDA graph (replayed with no host work) both need. compile: torch.compile once,
+    its time kept in compile_seconds. capture (CUDA only): replay a captured graph of the step.
     """
 
-    def __init__(self, model, cache, capture):
+    def __init__(self, model, cache, compile=False, capture=False):
         self.model, self.cache = model, cache
         self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
-        self.graph = None
+        self.run, self.graph, self.compile_seconds = self._step, None, 0.0
+        if compile:
+            self.run = torch.compile(self._step, dynamic=False, options=COMPILE_OPTIONS[cache.k.device.type])
+            started = time.perf_counter()
+            self._rehearse(self.run)  # the first call compiles
+            self.compile_seconds = time.perf_counter() - started
         if capture:
-            saved = (cache.k.clone(), cache.v.clone(), cache.cache_seqlens.clone())
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):  # warm-up runs, which capture requires, on a side stream
-                    self._step()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._step()
-            for live, kept in zip((cache.k, cache.v, cache.cache_seqlens), saved):
-                live.copy_(kept)
+            self._rehearse(self._capture)
 
     def _step(self):
         return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
+
+    def _rehearse(self, fn):
+        """Run fn, then put the cache back as it was: rehearsals must not count as steps."""
+        saved = (self.cache.k.clone(), self.cache.v.clone(), self.cache.cache_seqlens.clone())
+        fn()
+        for live, kept in zip((self.cache.k, self.cache.v, self.cache.cache_seqlens), saved):
+            live.copy_(kept)
+
+    def _capture(self):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up runs, which capture requires, on a side stream
+                self.run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.run()
 
     def __call__(self, token, pos):
         """Feed token (B, 1); pos is unused (the positions live on the device). Returns logits (B, vocab)."""
         self.token.copy_(token)
         if self.graph is None:
-            return self._step()
+            return self.run()
         self.graph.replay()
         return self.logits
 
@@ -222,20 +241,71 @@ class RowState:
     completed: bool = False
 
 
-class Engine:
-    """Generate N rows from one prompt: one prefill (cloned by default), then one decode step per token.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-    weights_left: run the decode steps' Linear layers as W @ rows.T (model.weights_left); off by
-    default, as it is faster or slower with the CPU's BLAS and the batch (bench.py times both).
-    cuda_graph: replay each decode step as a CUDA graph (on a CPU the same graph-safe step runs
-    eagerly). prefill: how the N rows get the prompt (cloned_prefill or separate_prefills).
+
+def check_dtype(dtype, device):
+    """One of DTYPES (a name or the torch.dtype); float16 only on CUDA, where it has fast kernels."""
+    dtype = DTYPES.get(dtype, dtype)
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if dtype == torch.float16 and device.type != "cuda":
+        raise ValueError("float16 runs only on CUDA here; on the CPU use bfloat16")
+    return dtype
+
+
+class Engine:
+    """Generate N rows from one prompt: one run of the prompt (cloned by default), then one decode step per token.
+
+    kernel: the decode steps' matrix multiply (kernels.py): "auto" measures the exact candidates once
+    per batch size where this runs and keeps the fastest (self.chosen says which); a name fixes it.
+    compile: torch.compile the graph-safe decode step, once per batch size (inductor then picks the
+    kernels; self.compile_seconds says what it took); its cache is the full context, so one compile
+    serves every prompt and length. cuda_graph: replay each decode step as a CUDA graph (on a CPU the
+    same graph-safe step runs eagerly); with compile on CUDA the compiled step is what is captured.
+    dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache.
+    fill: how the N rows get the prompt (clone_prompt or prompt_per_row).
     """
 
-    def __init__(self, model, tokenizer=None, weights_left=False, cuda_graph=False, prefill=cloned_prefill):
-        self.model, self.tokenizer = model, tokenizer
-        self.weights_left, self.cuda_graph, self.prefill = weights_left, cuda_graph, prefill
+    def __init__(self, model, tokenizer=None, kernel="auto", compile=False, dtype=torch.float32, cuda_graph=False,
+                 fill=clone_prompt):
+        device = model.emb.weight.device
+        dtype = check_dtype(dtype, device)
+        if kernel != "auto":
+            kernel_named(kernel, device, dtype)
+            if compile:
+                raise ValueError(f"kernel {kernel!r} with compile=True: inductor picks the compiled step's kernels; "
+                                 "leave kernel='auto'")
+        self.model = model if model.emb.weight.dtype == dtype else copy.deepcopy(model).to(dtype)
+        self.tokenizer, self.kernel, self.fill = tokenizer, kernel, fill
+        self.compile, self.cuda_graph = compile, cuda_graph
         self.rows, self.busy = [], False
         self.vocab_size = model.cfg.vocab_size
+        self.chosen, self.steps, self.compile_seconds = {}, {}, {}  # each keyed by batch size
+
+    def _kernel(self, batch):
+        """The matrix multiply for a decode step of `batch` rows, measured once per batch if "auto"."""
+        if self.compile:
+            return None
+        if batch not in self.chosen:
+            self.chosen[batch] = choose(self.model, batch)[0] if self.kernel == "auto" else self.kernel
+        return None if self.chosen[batch] == "nn" else KERNELS[self.chosen[batch]]
+
+    def _decoder(self, batch, max_len):
+        """An empty cache of `batch` rows and the decode step that writes it: a graph-safe step and
+        its cache are made once per batch and kept (compiling or capturing costs more than a run)."""
+        if not (self.compile or self.cuda_graph):
+            cache = KVCache.for_model(self.model, batch, max_len)
+            return cache, lambda token, pos: self.model.step(token, cache, pos)
+        if batch not in self.steps:
+            cache = KVCache.for_model(self.model, batch, max_len)
+            capture = cache.k.device.type == "cuda"
+            with linear_kernel(self._kernel(batch)):
+                self.steps[batch] = DecodeStep(self.model, cache, self.compile, capture)
+            self.compile_seconds[batch] = self.steps[batch].compile_seconds
+        step = self.steps[batch]
+        step.cache.reset()
+        return step.cache, step
 
     def _row_settings(self, num_samples, seed, knobs):
         if isinstance(seed, (list, tuple)):
@@ -277,7 +347,7 @@ class Engine:
         """One token per row (B,): each row draws with its own knobs and generator."""
         if all(s.get("temperature", 1.0) == 0 for s in settings) and all(s == settings[0] for s in settings):
             return draw(logits, history=history, **settings[0])
-        return torch.cat([draw(logits[i:i + 1], history=history[i:i + 1], generator=g, **s)
+        return torch.cat([draw(logits[i:i + 1], history=None if history is None else history[i:i + 1], generator=g, **s)
                           for i, (g, s) in enumerate(zip(generators, settings))])
 
     def generate(self, tokens, num_samples=1, max_tokens=None, seed=42, stop=None, forced=None, **knobs):
@@ -297,6 +367,8 @@ class Engine:
         if max_tokens is not None:
             check_count("max_tokens", max_tokens)
         max_len, cfg, w = cache_len(self.model, len(tokens), max_tokens), self.model.cfg, self.model.emb.weight
+        if self.compile or self.cuda_graph:  # a kept step reads every slot (masked): one length serves all runs
+            max_len = cfg.context
         # before the rows' own state is built: a batch too big for memory is refused here, with its size
         check_fits(cache_bytes(num_samples, cfg.n_layers, max_len, cfg.n_kv_heads, cfg.head_dim, w.dtype),
                    f"a cache of {num_samples} rows x {max_len} positions", w.device)
@@ -319,11 +391,11 @@ class Engine:
                 return
             device = self.model.emb.weight.device
             prompt = torch.tensor([rows[0].tokens], device=device)
-            logits, cache = self.prefill(self.model, prompt, len(rows), max_len)
-            with weights_left(self.weights_left):
-                step = GraphedStep(self.model, cache, device.type == "cuda") if self.cuda_graph else \
-                    (lambda token, pos: self.model.step(token, cache, pos))
-            history = prompt.expand(len(rows), -1)
+            cache, step = self._decoder(len(rows), max_len)
+            logits = self.fill(self.model, prompt, cache)
+            kernel = self._kernel(len(rows))
+            # only the repetition penalty reads the tokens so far; keep them only for it
+            history = prompt.expand(len(rows), -1) if any(s.get("penalty", 1.0) != 1.0 for s in settings) else None
             pos = prompt.shape[1]
             for n in range(1, max_tokens + 1 if max_tokens is not None else 2**63):
                 sampled = self.sample(check_finite(logits, n - 1), history, generators, settings).tolist()
@@ -344,8 +416,8 @@ class Engine:
                 if n == max_tokens or all(row.completed for row in rows):
                     return  # no step for the last token: nothing would read its logits
                 feed = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
-                history = torch.cat((history, feed), dim=1)
-                with weights_left(self.weights_left):  # on only inside the step, never across a yield
+                history = None if history is None else torch.cat((history, feed), dim=1)
+                with linear_kernel(kernel):  # on only inside the step, never across a yield
                     logits = step(feed, pos)
                 pos += 1
         finally:
@@ -368,11 +440,6 @@ class Engine:
                     results[i].append(token)
                     masks[i].append(mask)
         return results, masks
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed_generation(engine, tokens, n, n_tokens, progress=None, **kwargs):
@@ -402,6 +469,8 @@ def main():
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to compile)")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and cache (float16: CUDA)")
     args = ap.parse_args()
     if args.n < 1:
         raise ValueError(f"-n must be at least 1, got {args.n}")
@@ -411,23 +480,28 @@ def main():
         raise ValueError(f"--tokens must be at least 1, got {args.tokens}")
     knobs = dict(temperature=args.temperature, top_p=args.top_p)
     check_knobs(**knobs)
+    dtype = check_dtype(args.dtype, device_from(args.device))  # refused before the checkpoint is read
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
     KVCache.for_model(model, args.n, cache_len(model, len(tokens), args.tokens))  # refuses a cache too big, early
 
-    runs = {name: [timed_generation(Engine(model, tokenizer, prefill=first), tokens, args.n, args.tokens,
-                                    f"{name}, run {i + 1}/3, tokens", seed=args.seed, **knobs) for i in range(3)]
-            for name, first in (("clone", cloned_prefill), ("separate", separate_prefills))}
+    engines = {name: Engine(model, tokenizer, compile=args.compile, dtype=dtype, fill=fill)
+               for name, fill in (("clone", clone_prompt), ("separate", prompt_per_row))}
+    runs = {name: [timed_generation(engine, tokens, args.n, args.tokens, f"{name}, run {i + 1}/3, tokens",
+                                    seed=args.seed, **knobs) for i in range(3)]
+            for name, engine in engines.items()}
     rows = runs["clone"][0][2]
     for i, row in enumerate(rows):
         print(f"--- sample {i} (seed {args.seed + i})")
         print(tokenizer.decode(tokens + row))
     if any(r[2] != rows for rs in runs.values() for r in rs):
-        raise SystemExit("prefill_clone.py: error: the two prefill paths gave different tokens")
+        raise SystemExit("prefill_clone.py: error: the two ways of filling the rows gave different tokens")
     (clone_ttft, clone_total), (sep_ttft, sep_total) = (
         (sorted(r[0] for r in rs)[1], sorted(r[1] for r in rs)[1]) for rs in runs.values())
-    print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens, {args.device}, "
-          f"{torch.get_num_threads()} threads, median of 3 (same tokens from both paths):")
+    seconds = engines["clone"].compile_seconds
+    compiled = f", compiled in {seconds[args.n]:.0f} s (not in the times)" if seconds else ""
+    print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens, {args.device}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads{compiled}, median of 3 (same tokens from both paths):")
     print(f"{'':24}{'first token':>12}{'total':>10}")
     print(f"{f'{args.n} separate prefills':24}{sep_ttft * 1e3:>9.1f} ms{sep_total:>8.2f} s")
     print(f"{'1 prefill + clone':24}{clone_ttft * 1e3:>9.1f} ms{clone_total:>8.2f} s")

@@ -4,12 +4,16 @@ The eight settings run as eight rows of one prefill (prefill_clone.Engine),
 each row with its own generator seeded the same, so every row is what that
 setting gives alone, and every run on the CPU prints the same text.
 
-    python sample_grid.py [CHECKPOINT] [PROMPT] --tokens 60 --seed 1
+    python sample_grid.py [CHECKPOINT] [PROMPT] --tokens 60 --seed 1 [--compile] [--dtype bfloat16]
+
+--compile and --dtype run the Engine's decode step compiled or in lower
+precision (prefill_clone.Engine's compile and dtype); the text is the same
+compiled, and may part from float32's in bfloat16.
 """
 
 from cached import encode_prompt, load_pair
-from cli import Parser, check_count, run_cli
-from prefill_clone import Engine
+from cli import Parser, check_count, device_from, run_cli
+from prefill_clone import DTYPES, Engine, check_dtype
 
 SETTINGS = {
     "greedy": dict(temperature=0),
@@ -23,9 +27,9 @@ SETTINGS = {
 }
 
 
-def grid(model, tokens, n_tokens, seed, progress=None):
-    """Each setting's new tokens, all eight rows from one prefill."""
-    rows, _ = Engine(model).generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, progress=progress,
+def grid(model, tokens, n_tokens, seed, progress=None, **engine):
+    """Each setting's new tokens, all eight rows from one run of the prompt; engine: Engine's compile, dtype."""
+    rows, _ = Engine(model, **engine).generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, progress=progress,
                                            seed=[seed] * len(SETTINGS), settings=list(SETTINGS.values()))
     return dict(zip(SETTINGS, rows))
 
@@ -38,13 +42,17 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to compile)")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and cache (float16: CUDA)")
     args = ap.parse_args()
     check_count("--tokens", args.tokens)
     if not 0 <= args.seed < 2**64:
         raise ValueError(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
+    dtype = check_dtype(args.dtype, device_from(args.device))  # refused before the checkpoint is read
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
-    for name, row in grid(model, tokens, args.tokens, args.seed, progress="tokens").items():
+    rows = grid(model, tokens, args.tokens, args.seed, "tokens", compile=args.compile, dtype=dtype)
+    for name, row in rows.items():
         print(f"=== {name}")
         print(tokenizer.decode(tokens + row).strip())
         print()

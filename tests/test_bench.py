@@ -22,24 +22,30 @@ def positive_numbers(node, path="report"):
 
 def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--json", str(out)],
+    run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--tokens", "8", "--json", str(out)],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert report["machine"]["device"] == "cpu" and report["machine"]["threads"] == 2
     assert report["machine"]["torch"] == torch.__version__
-    methods = ("no_cache", "cached", "engine", "engine_weights_left")
-    decode_keys = {"batch", "tokens", *methods, *(m + "_spread" for m in methods)}
-    assert len(report["decode"]) == 4 and all(set(r) == decode_keys for r in report["decode"])
+    methods = ("no_cache", "cached", "engine", "engine_compiled", "engine_bf16")
+    decode_keys = {"batch", "tokens", "compile_seconds", *methods, *(m + "_spread" for m in methods)}
+    assert len(report["decode"]) == 2 and all(set(r) == decode_keys for r in report["decode"])
     assert [r["config"] for r in report["memory"]] == ["Part 3 (4 heads)", "GQA (4 q heads, 1 kv head)"]
     # the post's figures: 2 x 6 x 256 x 256 x 4 bytes = 3.00 MiB; one kv head of four keeps a quarter
     assert [r["measured_bytes"] for r in report["memory"]] == [3 * 2**20, 3 * 2**20 // 4]
     assert len(report["prefill_clone"]) == 4 and all(set(r) == {"prompt", "n", "separate_ms", "clone_ms"}
                                                      for r in report["prefill_clone"])
-    assert all(set(r) == {"batch", "step_ms_left", "step_ms_nn_linear", "matmul_ms_left", "matmul_ms_nn_linear"}
-               for r in report["overhead"])
+    assert [r["batch"] for r in report["kernels"]] == [1, 4]
+    for r in report["kernels"]:  # every exact candidate timed, the lone-row ones only for a lone row
+        assert set(r) == {"batch", "kernels_ms", "chosen", "step_ms_chosen", "step_ms_nn"}
+        assert {"nn", "left", "transposed"} <= set(r["kernels_ms"]) and ("twice" in r["kernels_ms"]) == (r["batch"] == 1)
+        assert r["kernels_ms"][r["chosen"]] == min(t for t in r["kernels_ms"].values() if t is not None)
+    drift = report["bf16_drift"]
+    assert drift["weights"] == "holmes.pt" and drift["tokens"] == 16 and 0 < drift["max_logit_difference"] < 1
+    assert drift["first_difference"] is None or 0 <= drift["first_difference"] < 16
     assert report["cuda"]["skipped"].startswith("skipped: needs a CUDA device")
-    numbers = dict(positive_numbers({k: report[k] for k in ("decode", "memory", "prefill_clone", "overhead")}))
+    numbers = dict(positive_numbers({k: report[k] for k in ("decode", "memory", "prefill_clone", "kernels")}))
     assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers
     assert "5. CUDA" in run.stdout and "skipped" in run.stdout
 
@@ -52,6 +58,7 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     (["cpu", "--json", "."], "cannot write .: it is a folder"),
     (["cpu", "--fast"], "unrecognized arguments: --fast"),
     (["cpu", "--runs", "2"], "--runs must be at least 3"),
+    (["cpu", "--tables", "3,6"], "--tables takes numbers 1 to 5 separated by commas, got '3,6'"),
 ] + ([] if torch.cuda.is_available() else [(["cuda"], "no CUDA GPU")]))
 def test_bad_arguments_get_one_line_and_a_non_zero_exit(args, message):
     run = subprocess.run([sys.executable, "bench.py", *args], capture_output=True, text=True)

@@ -8,8 +8,10 @@ import torch
 from cached import CachedGPT, LayerCache
 import prefill_clone
 from cli import run_cli
-from model import Config, weights_left
-from prefill_clone import Engine, KVCache, cloned_prefill, prefill, separate_prefills
+from kernels import KERNELS
+from model import Config
+from prefill_clone import Engine, KVCache, clone_prompt, prompt_per_row, run_prompt
+from sampling import picker
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 GQA = Config(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=1, n_layers=2, context=32)
@@ -25,7 +27,7 @@ PROMPT = [5, 17, 300, 42, 9]
 
 def test_prefill_copies_the_source_into_every_row_exactly():
     model = small()
-    _, one = prefill(model, torch.tensor([PROMPT]), 8)
+    _, one = run_prompt(model, torch.tensor([PROMPT]), 8)
     many = KVCache.for_model(model, 3, 20)
     many.prefill(one)
     assert many.get_pos() == 5 and many.cache_seqlens.tolist() == [5, 5, 5]
@@ -44,7 +46,7 @@ def test_prefill_copies_the_source_into_every_row_exactly():
 ])
 def test_prefill_refuses_a_cache_of_another_shape(target, message):
     model = small()
-    _, one = prefill(model, torch.tensor([PROMPT]), 8)
+    _, one = run_prompt(model, torch.tensor([PROMPT]), 8)
     shape = dict(batch=3, n_layers=2, max_len=20, n_kv_heads=4, head_dim=16) | target
     with pytest.raises(ValueError, match=message):
         KVCache(**shape).prefill(one)
@@ -52,8 +54,8 @@ def test_prefill_refuses_a_cache_of_another_shape(target, message):
 
 def test_prefill_refuses_a_full_cache_and_a_source_batch_that_is_not_1_or_equal():
     model = small()
-    _, one = prefill(model, torch.tensor([PROMPT]), 8)
-    _, two = prefill(model, torch.tensor([PROMPT, PROMPT]), 8)
+    _, one = run_prompt(model, torch.tensor([PROMPT]), 8)
+    _, two = run_prompt(model, torch.tensor([PROMPT, PROMPT]), 8)
     many = KVCache.for_model(model, 3, 20)
     with pytest.raises(ValueError, match="source batch 2 must be 1 or 3"):
         many.prefill(two)
@@ -63,13 +65,14 @@ def test_prefill_refuses_a_full_cache_and_a_source_batch_that_is_not_1_or_equal(
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-safe step, run eagerly"])
-@pytest.mark.parametrize("left", [False, True], ids=["nn.Linear order", "weights left"])
-def test_engine_greedy_rows_equal_cached_py_past_the_window(graph, left):
+@pytest.mark.parametrize("kernel", ["auto", *KERNELS])
+def test_engine_greedy_rows_equal_cached_py_past_the_window_with_every_kernel(kernel, graph):
     model = small()
-    rows, _ = Engine(model, weights_left=left, cuda_graph=graph).generate_batch(PROMPT, 3, max_tokens=60,
-                                                                                 temperature=0)
     expected = model.generate_cached(torch.tensor([PROMPT]), 60)[0, len(PROMPT):].tolist()
-    assert rows == [expected] * 3
+    for n in (1, 3):  # a lone row (the lone-row kernels) and several
+        engine = Engine(model, kernel=kernel, cuda_graph=graph)
+        rows, _ = engine.generate_batch(PROMPT, n, max_tokens=60, temperature=0)
+        assert rows == [expected] * n and engine.chosen[n] in KERNELS
 
 
 def test_every_linear_and_layernorm_runs_on_every_decode_step_and_the_head_once_per_token():
@@ -95,12 +98,13 @@ def test_engine_greedy_rows_equal_cached_output():
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_row_i_of_n_equals_a_one_row_run_with_seed_plus_i(n):
+def test_row_i_of_n_samples_what_cached_py_samples_with_a_generator_seeded_seed_plus_i(n):
     model = small()
     rows, _ = Engine(model).generate_batch(PROMPT, n, max_tokens=20, seed=100, temperature=1.0, top_k=50)
     for i in range(n):
-        alone, _ = Engine(model).generate_batch(PROMPT, 1, max_tokens=20, seed=100 + i, temperature=1.0, top_k=50)
-        assert rows[i] == alone[0]
+        pick = picker(torch.Generator().manual_seed(100 + i), temperature=1.0, top_k=50)
+        alone = model.generate_cached(torch.tensor([PROMPT]), 20, pick)[0, len(PROMPT):].tolist()
+        assert rows[i] == alone
 
 
 def test_each_row_samples_its_own_first_token():
@@ -146,26 +150,11 @@ def test_a_stop_string_completes_a_row():
     assert len(stopped) <= 4 and tokenizer.decode(stopped).endswith(text[-2:])
 
 
-@pytest.mark.parametrize("rows", [1, 3, 32, 33])
-@pytest.mark.parametrize("bias", [True, False])
-def test_weights_left_computes_what_nn_linear_computes(rows, bias):
-    torch.manual_seed(0)
-    layer = small().blocks[0].mlp[0 if bias else 2]
-    if not bias:
-        layer = small().blocks[0].attn.qkv
-    x = torch.randn(rows, 1, layer.in_features)
-    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    with weights_left():
-        got = layer(x)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("known_pos", [True, False], ids=["sliced reads", "masked reads (graph-safe)"])
 def test_ring_past_the_window_gives_cached_py_logits_for_600_steps(known_pos):
     model = small()
     feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
-    logits_ring, ring = prefill(model, feed[:, :10], SMALL.context)
+    logits_ring, ring = run_prompt(model, feed[:, :10], SMALL.context)
     caches = [LayerCache(SMALL.context) for _ in model.blocks]
     with torch.inference_mode():
         logits_rolling = model.step(feed[:, :10], caches, 0)
@@ -187,11 +176,14 @@ def test_gqa_cached_equals_uncached_and_the_cache_shrinks():
     assert KVCache.for_model(model, 1, 32).nbytes() * 4 == full
 
 
-def test_clone_and_separate_prefills_fill_the_same_cache():
+def test_clone_and_a_prompt_per_row_fill_the_same_cache():
     model = small()
-    a_logits, a = cloned_prefill(model, torch.tensor([PROMPT]), 3, 16)
-    b_logits, b = separate_prefills(model, torch.tensor([PROMPT]), 3, 16)
+    a, b = KVCache.for_model(model, 3, 16), KVCache.for_model(model, 3, 16)
+    prompt = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        a_logits, b_logits = clone_prompt(model, prompt, a), prompt_per_row(model, prompt, b)
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a_logits, b_logits)
+    assert a.get_pos() == b.get_pos() == len(PROMPT) and a_logits.shape == (3, 512)
 
 
 @pytest.mark.parametrize("call, message", [
@@ -258,7 +250,7 @@ def test_a_second_generator_on_one_engine_is_refused_while_the_first_is_open():
 
 def test_a_ring_shorter_than_the_context_refuses_to_wrap():
     model = small()
-    _, cache = prefill(model, torch.tensor([PROMPT]), 8)
+    _, cache = run_prompt(model, torch.tensor([PROMPT]), 8)
     with torch.inference_mode():
         for pos in range(5, 8):
             model.step(torch.tensor([[1]]), cache, pos)
@@ -286,6 +278,8 @@ def test_cli_refuses_a_cache_too_big_for_memory_and_a_seed_out_of_range():
     (["-n", "-2"], "-n must be at least 1, got -2"),
     (["--tokens", "-1"], "--tokens must be at least 1, got -1"),
     (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+    (["--dtype", "float16"], "float16 runs only on CUDA here; on the CPU use bfloat16"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
 ])
 def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["prefill_clone.py", *args])
@@ -360,3 +354,45 @@ def test_a_stop_string_of_any_length_ends_the_row_where_it_first_appears(shipped
     first = next(n for n in range(1, 61) if stop.encode() in b"".join(tokenizer.vocab[t] for t in free[:n]))
     stopped = Engine(model, tokenizer).generate_batch(prompt, 1, max_tokens=60, temperature=0, stop=stop)[0][0]
     assert stopped == free[:first] and first >= end - start
+
+
+def test_compiled_engine_gives_the_eager_tokens_compiles_once_per_batch_and_keeps_each_models_weights():
+    sampled = {}
+    for seed in (0, 1):  # a second model of the same shape must not run the first one's frozen weights
+        model = small(seed=seed)
+        with torch.no_grad():  # untrained scores are too flat for two models to pick apart
+            for p in model.parameters():
+                p.mul_(10)
+        engine = Engine(model, compile=True)
+        for prompt, n in ((PROMPT, 12), (PROMPT[:3], 5)):  # one compile serves every prompt and length
+            for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+                eager = Engine(model).generate_batch(prompt, 2, max_tokens=n, **knobs)[0]
+                assert engine.generate_batch(prompt, 2, max_tokens=n, **knobs)[0] == eager
+        assert list(engine.compile_seconds) == [2] and engine.compile_seconds[2] > 0
+        sampled[seed] = eager
+    assert sampled[0] != sampled[1]
+
+
+def test_bf16_engine_runs_a_bf16_copy_and_leaves_the_model_as_it_was():
+    model = small()
+    engine = Engine(model, dtype=torch.bfloat16)
+    rows, _ = engine.generate_batch(PROMPT, 3, max_tokens=20, temperature=0)
+    assert engine.model.emb.weight.dtype == torch.bfloat16 and model.emb.weight.dtype == torch.float32
+    assert engine.model.head.weight is engine.model.emb.weight  # still tied
+    assert len(rows) == 3 and all(len(r) == 20 and all(0 <= t < 512 for t in r) for r in rows)
+    expected = model.generate_cached(torch.tensor([PROMPT]), 20)[0, len(PROMPT):].tolist()
+    assert rows[0][:3] == expected[:3]  # a sanity check: bf16 may part later, not at once
+
+
+@pytest.mark.parametrize("engine, message", [
+    (dict(kernel="fast"), "unknown kernel 'fast'; the kernels are"),
+    (dict(kernel="mkl", dtype=torch.bfloat16), "kernel 'mkl' does not run on cpu in bfloat16"),
+    (dict(kernel="left", compile=True), "inductor picks the compiled step's kernels"),
+    (dict(dtype=torch.float16), "float16 runs only on CUDA here; on the CPU use bfloat16"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(dtype=torch.float64), "dtype must be one of"),
+])
+def test_bad_engine_settings_are_refused_in_one_line(engine, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        Engine(small(), **engine)
+    assert len(str(refused.value).splitlines()) == 1

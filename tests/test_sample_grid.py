@@ -43,3 +43,20 @@ def test_bad_arguments_get_one_line():
     run = subprocess.run([sys.executable, "sample_grid.py", "missing.pt"], capture_output=True, text=True)
     assert run.returncode != 0
     assert run.stderr.strip().startswith("sample_grid.py: error: checkpoint missing.pt not found")
+
+
+def test_compile_and_dtype_flags_are_checked_before_the_checkpoint_is_read():
+    run = subprocess.run([sys.executable, "sample_grid.py", "missing.pt", "--dtype", "float16"],
+                         capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.strip() == "sample_grid.py: error: float16 runs only on CUDA here; on the CPU use bfloat16"
+    run = subprocess.run([sys.executable, "sample_grid.py", "--dtype", "half"], capture_output=True, text=True)
+    assert run.returncode != 0 and "argument --dtype: invalid choice: 'half'" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_the_grid_in_bf16_gives_eight_rows_and_greedy_starts_as_float32_does():
+    model, tokens = load("holmes.pt"), BPE.load("tokenizer.json").encode("Holmes")
+    rows = grid(model, tokens, 10, seed=1, dtype=torch.bfloat16)
+    assert list(rows) == list(SETTINGS) and all(len(r) == 10 for r in rows.values())
+    assert rows["greedy"][:3] == grid(model, tokens, 3, seed=1)["greedy"]

@@ -1,0 +1,189 @@
+"""The decode step's fastest exact matrix multiply, found by measuring on the machine it runs on.
+
+A decode step multiplies a few rows by each of the model's 25 weight matrices
+(4 per block, and the head). Every kernel here computes what nn.Linear does,
+rows @ W.T + b, but which one is fastest depends on the CPU's BLAS and the
+number of rows: feeding a lone row twice won on an AMD EPYC and lost on an
+Intel Xeon. So nothing is hard-coded: choose() times every candidate that
+runs on this device, dtype and batch, refuses any whose output is not
+nn.Linear's (within 1e-5 in float32), and keeps the fastest, once per
+(batch, device, dtype, shapes). model.linear_kernel(fn) switches it on.
+
+    python kernels.py [cpu|cuda] [--batches 1 16]
+
+prints what each candidate took for one step's 25 multiplies and which won.
+"""
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from cli import Parser, device_from, run_cli
+from model import Linear
+
+PREPARED = weakref.WeakKeyDictionary()  # layer -> {kernel name: (weight version, reordered weight)}
+
+
+def prepared(layer, name, reorder):
+    """layer.weight reordered for a kernel (transposed, packed), kept until the weight changes."""
+    kept = PREPARED.setdefault(layer, {})
+    w = layer.weight
+    version = (w.data_ptr(), 0 if w.is_inference() else w._version)  # inference tensors keep no version
+    if name not in kept or kept[name][0] != version:
+        kept[name] = (version, reorder(layer.weight.detach()))
+    return kept[name][1]
+
+
+def times(weight_first, layer, cols):
+    """W @ cols (+ b as a column): the product with the weights on the left, (out, R)."""
+    if layer.bias is None:
+        return weight_first @ cols
+    return torch.addmm(layer.bias[:, None], weight_first, cols)
+
+
+def nn_linear(layer, rows):
+    return F.linear(rows, layer.weight, layer.bias)
+
+
+def weights_left(layer, rows):
+    return times(layer.weight, layer, rows.T).T.contiguous()
+
+
+def lone_row_twice(layer, rows):
+    """A lone row fed as two, W @ [x; x].T: a BLAS may run a 2-column product faster than a 1-column one."""
+    if rows.shape[0] != 1:
+        return None
+    return times(layer.weight, layer, torch.cat((rows, rows)).T)[:, 0][None].contiguous()
+
+
+def transposed(layer, rows):
+    """rows @ W.T with W.T kept contiguous, (in, out): a plain product, no transpose for the BLAS to handle."""
+    wt = prepared(layer, "transposed", lambda w: w.T.contiguous())
+    return rows @ wt if layer.bias is None else torch.addmm(layer.bias, rows, wt)
+
+
+def matrix_vector(layer, rows):
+    """A lone row as a matrix-vector product (torch.mv, BLAS gemv)."""
+    if rows.shape[0] != 1:
+        return None
+    if layer.bias is None:
+        return torch.mv(layer.weight, rows[0])[None]
+    return torch.addmv(layer.bias, layer.weight, rows[0])[None]
+
+
+def mkl_packed(layer, rows):
+    """MKL's packed product (what inductor's freezing uses for float32): the weight packed for this row count."""
+    n = rows.shape[0]
+    packed = prepared(layer, f"mkl {n}", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, n))
+    return torch.ops.mkl._mkl_linear(rows, packed, layer.weight, layer.bias, n)
+
+
+def onednn_packed(layer, rows):
+    """oneDNN's linear on a weight reordered once into its own blocked layout."""
+    n = rows.shape[0]
+    packed = prepared(layer, f"onednn {n}", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, n))
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, layer.bias, "none", [], "")
+
+
+KERNELS = {"nn": nn_linear, "left": weights_left, "twice": lone_row_twice, "transposed": transposed,
+           "mv": matrix_vector, "mkl": mkl_packed, "onednn": onednn_packed}
+
+
+def runs_here(name, device, dtype):
+    """Whether a kernel exists for this device and dtype (the packed ones are CPU libraries)."""
+    if name == "mkl":
+        return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
+    if name == "onednn":
+        bf16 = dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # needs AVX-512 or AVX-NE
+        return device.type == "cpu" and (dtype == torch.float32 or bf16) and torch.backends.mkldnn.is_available()
+    return True
+
+
+def kernel_named(name, device, dtype):
+    """The kernel called `name`, refused in one line if unknown or not available here."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; the kernels are {list(KERNELS)}, or 'auto' to measure them")
+    if not runs_here(name, device, dtype):
+        raise ValueError(f"kernel {name!r} does not run on {device.type} in {str(dtype).removeprefix('torch.')}")
+    return KERNELS[name]
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tolerance(dtype):
+    """How far a kernel may be from nn.Linear: 1e-5 in float32, one rounding step in a half type."""
+    return 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+
+
+def exact(kernel, layers, inputs):
+    """Whether kernel gives nn.Linear's output on every layer (relative to the output's size)."""
+    for layer, rows in zip(layers, inputs):
+        got, want = kernel(layer, rows), F.linear(rows, layer.weight, layer.bias)
+        if got is None:  # a lone-row kernel leaves other row counts to nn.Linear
+            continue
+        tol = tolerance(want.dtype) * max(1.0, want.abs().max().item())
+        if got.shape != want.shape or not (got - want).abs().max().item() <= tol:
+            return False
+    return True
+
+
+@torch.inference_mode()
+def measure(layers, batch, rounds=5):
+    """{name: seconds for one step's products at `batch` rows, or None if not exact}, every candidate here."""
+    w = layers[0].weight
+    gen = torch.Generator(w.device).manual_seed(0)
+    inputs = [torch.randn(batch, layer.in_features, generator=gen, device=w.device).to(w.dtype) for layer in layers]
+    names = [n for n in KERNELS if runs_here(n, w.device, w.dtype)
+             and (batch == 1 or n not in ("twice", "mv"))]  # the lone-row kernels would only be nn.Linear again
+    best = {n: float("inf") if exact(KERNELS[n], layers, inputs) else None for n in names}
+    for _ in range(rounds):
+        # interleaved and the least disturbed run kept: on a busy machine a median still carries the
+        # neighbours' load, and they load every candidate alike only if the candidates take turns
+        for name in (n for n in names if best[n] is not None):
+            sync(w.device)
+            t0 = time.perf_counter()
+            for layer, rows in zip(layers, inputs):
+                KERNELS[name](layer, rows)
+            sync(w.device)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+CHOSEN = {}  # (batch, device, dtype, weight shapes) -> (name, {name: seconds or None})
+
+
+def choose(model, batch):
+    """The fastest exact kernel for `batch` rows on this model's device and dtype, and what was measured."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    w = layers[0].weight
+    key = (batch, w.device, w.dtype, tuple(tuple(layer.weight.shape) for layer in layers))
+    if key not in CHOSEN:
+        measured = measure(layers, batch)
+        winner = min((n for n, t in measured.items() if t is not None), key=measured.get)
+        for layer in layers:  # the losers' reordered weights go; the winner remakes its own on first use
+            PREPARED.pop(layer, None)
+        CHOSEN[key] = winner, measured
+    return CHOSEN[key]
+
+
+def main():
+    ap = Parser(description="Time every exact kernel for a decode step's matrix multiplies; keep the fastest.")
+    ap.add_argument("device", nargs="?", default="cpu", help="cpu or cuda")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="rows per step")
+    args = ap.parse_args()
+    if min(args.batches) < 1:
+        raise ValueError(f"--batches must be whole numbers >= 1, got {args.batches}")
+    from cached import CachedGPT
+    model = CachedGPT().to(device_from(args.device)).eval()
+    for batch in args.batches:
+        winner, measured = choose(model, batch)
+        cells = ", ".join(f"{n} {'not exact' if t is None else f'{t * 1e3:.2f} ms'}" for n, t in measured.items())
+        print(f"batch {batch}: {cells}; fastest: {winner}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

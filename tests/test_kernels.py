@@ -1,0 +1,73 @@
+"""kernels.py: every candidate computes nn.Linear's product; only an exact one can be chosen, once per batch."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from cached import CachedGPT
+from kernels import KERNELS, choose, measure
+from model import Config, Linear, linear_kernel
+
+SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
+
+
+def float64_product(layer, x):
+    """rows @ W.T + b in float64: a reference that shares no code with any kernel."""
+    out = x.double() @ layer.weight.double().T
+    return (out if layer.bias is None else out + layer.bias.double()).float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [True, False], ids=["mlp, with bias", "qkv, no bias"])
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_every_kernel_computes_the_product_through_the_models_linear(name, bias, rows):
+    torch.manual_seed(0)
+    block = CachedGPT(SMALL).eval().blocks[0]
+    layer = block.mlp[0] if bias else block.attn.qkv
+    x = torch.randn(rows, 1, layer.in_features)
+    with torch.inference_mode(), linear_kernel(KERNELS[name]):
+        got = layer(x)
+    assert got.shape == (rows, 1, layer.out_features) and got.is_contiguous()
+    torch.testing.assert_close(got, float64_product(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernels_reordered_weight_follows_the_weight_when_it_changes():
+    torch.manual_seed(0)
+    layer = CachedGPT(SMALL).blocks[0].mlp[2]
+    x = torch.randn(2, layer.in_features)
+    with linear_kernel(KERNELS["transposed"]), torch.no_grad():
+        layer(x)
+        layer.weight.mul_(2)  # what an optimizer step does: in place
+        torch.testing.assert_close(layer(x), float64_product(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_fast_kernel_that_is_not_exact_is_never_chosen(monkeypatch):
+    model = CachedGPT(SMALL).eval()
+    wrong = lambda layer, rows: torch.zeros(rows.shape[0], layer.out_features)  # fastest, and wrong
+    monkeypatch.setitem(KERNELS, "wrong", wrong)
+    monkeypatch.setattr(kernels, "CHOSEN", {})
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    measured = measure(layers, 2)
+    assert measured["wrong"] is None and all(t > 0 for n, t in measured.items() if n != "wrong")
+    assert choose(model, 2)[0] not in ("wrong", None)
+
+
+def test_the_choice_is_measured_once_per_batch_and_kept(monkeypatch):
+    model = CachedGPT(SMALL).eval()
+    monkeypatch.setattr(kernels, "CHOSEN", {})
+    calls = []
+    real = kernels.measure
+    monkeypatch.setattr(kernels, "measure", lambda layers, batch: calls.append(batch) or real(layers, batch))
+    first = [choose(model, b) for b in (1, 4, 1, 4)]
+    assert calls == [1, 4] and first[0] == first[2] and first[1] == first[3]
+    assert "twice" in first[0][1] and "twice" not in first[1][1]  # the lone-row kernels only for a lone row
+
+
+def test_cli_prints_each_kernel_and_the_fastest_and_refuses_a_bad_batch_in_one_line():
+    run = subprocess.run([sys.executable, "kernels.py", "cpu", "--batches", "2"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("batch 2: nn ") and "fastest: " in run.stdout
+    run = subprocess.run([sys.executable, "kernels.py", "--batches", "0"], capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr.strip() == "kernels.py: error: --batches must be whole numbers >= 1, got [0]"

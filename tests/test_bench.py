@@ -58,7 +58,7 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     (["cpu", "--json", "."], "cannot write .: it is a folder"),
     (["cpu", "--fast"], "unrecognized arguments: --fast"),
     (["cpu", "--runs", "2"], "--runs must be at least 3"),
-    (["cpu", "--tables", "3,6"], "--tables takes numbers 1 to 5 separated by commas, got '3,6'"),
+    (["cpu", "--tables", "3,7"], "--tables takes numbers 1 to 6 separated by commas, got '3,7'"),
 ] + ([] if torch.cuda.is_available() else [(["cuda"], "no CUDA GPU")]))
 def test_bad_arguments_get_one_line_and_a_non_zero_exit(args, message):
     run = subprocess.run([sys.executable, "bench.py", *args], capture_output=True, text=True)

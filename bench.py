@@ -17,7 +17,8 @@ as a share of the median). Rows print as they are measured:
 5. CUDA only: kernels per decode step, the share of the step the GPU is busy,
    and the Engine with each decode step a CUDA-graph replay, at batch 1 and 16.
 6. The same weights through the serving engines installed (transformers always;
-   CTranslate2 and llama.cpp with requirements-serve.txt, on the CPU) beside the Engine.
+   CTranslate2 and llama.cpp with requirements-serve.txt, on the CPU) beside the
+   Engine's three forms, and the compiled Engine's ratio to llama.cpp.
 """
 import json
 import os
@@ -69,7 +70,13 @@ def machine(device):
     return info
 
 
-def table_decode(model, device, sizes, runs, out):
+def engine_forms(model):
+    """The Engine as tables 4 and 6 run it: default, compiled and bfloat16; each compiles once per batch."""
+    return {"engine": Engine(model), "engine_compiled": Engine(model, compile=True),
+            "engine_bf16": Engine(model, dtype=torch.bfloat16)}
+
+
+def table_decode(model, engines, device, sizes, runs, out):
     print("\n4. decode speed, the post's table: tok/s = batch x tokens / seconds (median, ± half range)")
     print("   Engine: prefill_clone's default (the fastest exact kernel, table 3); compiled: compile=True;")
     print("   bf16: dtype=torch.bfloat16 (weights and cache; its drift from float32 below)")
@@ -80,8 +87,6 @@ def table_decode(model, device, sizes, runs, out):
         prompt = torch.randint(model.cfg.vocab_size, (1, 8), generator=gen)
         idx = prompt.expand(batch, -1).to(device)
         ways = {"no_cache": model.generate_uncached, "cached": model.generate_cached}
-        engines = {"engine": Engine(model), "engine_compiled": Engine(model, compile=True),
-                   "engine_bf16": Engine(model, dtype=torch.bfloat16)}
         for name, engine in engines.items():
             ways[name] = lambda i, k, engine=engine: engine.generate_batch(prompt[0].tolist(), batch, max_tokens=k,
                                                                              temperature=0)[0]
@@ -220,8 +225,8 @@ def table_cuda(model, device, sizes, runs, out):
             raise SystemExit("bench.py: error: CUDA-graph replay gave other tokens than the eager path")
 
 
-def table_peers(model, device, sizes, runs, out):
-    """The same weights through the serving engines installed, side by side with the Engine, greedy."""
+def table_peers(model, engines, device, sizes, runs, out):
+    """The same weights through the serving engines installed, side by side with the Engine's forms, greedy."""
     import importlib.util
     import os
     import tempfile
@@ -230,17 +235,18 @@ def table_peers(model, device, sizes, runs, out):
     import serve
     from bpe import BPE
     n = min(256, max(sizes["lengths"]))
-    print(f"\n6. the same weights through the serving engines: greedy tok/s, {n} tokens (median)")
+    print(f"\n6. the same weights through the serving engines: greedy tok/s, {n} tokens (median); "
+          "the Engine's three forms as in table 4")
     bpe = BPE.load("tokenizer.json")
     prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         export.write_folder(model, bpe, os.path.join(tmp, "hf"))
         hf, tokenizer = export.load_folder(os.path.join(tmp, "hf"))
         hf = hf.to(device)
-        engine = Engine(model)
-        peers = {"engine": lambda b: engine.generate_batch(prompt, b, max_tokens=n, temperature=0),
-                 "transformers": lambda b: hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
-                                                       min_new_tokens=n, do_sample=False, pad_token_id=0)}
+        peers = {name: lambda b, e=engine: e.generate_batch(prompt, b, max_tokens=n, temperature=0)
+                 for name, engine in engines.items()}
+        peers["transformers"] = lambda b: hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
+                                                      min_new_tokens=n, do_sample=False, pad_token_id=0)
         if device.type == "cpu" and importlib.util.find_spec("ctranslate2"):
             serve.write_ct2(hf, tokenizer, os.path.join(tmp, "ct2"))
             generator, tokens = serve.ct2_generator(os.path.join(tmp, "ct2")), tokenizer.convert_ids_to_tokens(prompt)
@@ -251,13 +257,15 @@ def table_peers(model, device, sizes, runs, out):
             llm = serve.llama(gguf)
             peers["llama_cpp"] = lambda b: (serve.llama_greedy(llm, prompt, n) if b == 1
                                             else serve.llama_greedy_batch(gguf, prompt, b, n))
-        print(f"{'batch':>5} " + " ".join(f"{name:>13}" for name in peers))
+        versus = "llama_cpp" if "llama_cpp" in peers else "transformers"
+        print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in peers) + f" {'compiled/' + versus:>22}")
         for batch in sizes["batches"]:
             row = {"batch": batch, "tokens": n}
             for name, run in peers.items():
                 row[name] = batch * n / measure(lambda: run(batch), runs, device, label=f"batch {batch}, {name}:")[0]
             out.append(row)
-            print(f"{batch:>5} " + " ".join(f"{row[name]:>13,.0f}" for name in peers), flush=True)
+            print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" for name in peers)
+                  + f" {row['engine_compiled'] / row[versus]:>21.2f}x", flush=True)
 
 
 def main():
@@ -291,6 +299,7 @@ def main():
 
     torch.manual_seed(0)
     model = CachedGPT().to(device).eval()
+    engines = engine_forms(model)
     info = machine(device)
     print(f"bench.py: {info['device']} ({info.get('gpu', info['cpu'])}), {info['threads']} threads, "
           f"torch {info['torch']}, untrained weights, greedy, fp32, median of {args.runs} runs after a warm-up")
@@ -303,12 +312,12 @@ def main():
     if "3" in tables:
         table_kernels(model, device, sizes, args.runs, report["kernels"])
     if "4" in tables:
-        table_decode(model, device, sizes, args.runs, report["decode"])
+        table_decode(model, engines, device, sizes, args.runs, report["decode"])
         table_drift(device, sizes["drift"], report["bf16_drift"])
     if "5" in tables:
         table_cuda(model, device, sizes, args.runs, report["cuda"])
     if "6" in tables:
-        table_peers(model, device, sizes, args.runs, report.setdefault("peers", []))
+        table_peers(model, engines, device, sizes, args.runs, report.setdefault("peers", []))
     if args.json is not None:
         with atomic_write(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -62,31 +62,41 @@ class Config:
 def rope_at(x, start):
     """RoPE for x (B, heads, T, head_dim) whose first row sits at position `start`.
 
-    Channel pair (2j, 2j+1) is one complex number, turned by angle t * 10000^(-2j / head_dim)
-    for position t, in float32. `start` is an int, or one start per row (a (B,) tensor) when
-    rows sit at different positions, as in a CUDA-graph decode step. Part 3 uses start=0.
+    Channel pair (2j, 2j+1) is turned by angle t * 10000^(-2j / head_dim) for position t, in
+    float32: out[2j] = x[2j] cos - x[2j+1] sin, out[2j+1] = x[2j] sin + x[2j+1] cos, written as
+    x * cos + (x with each pair swapped) * (-sin, sin): plain float arithmetic, which torch.compile
+    fuses (complex numbers it cannot). `start` is an int, or one start per row (a (B,) tensor)
+    when rows sit at different positions, as in a CUDA-graph decode step. Part 3 uses start=0.
     """
     T, hd = x.shape[-2], x.shape[-1]
     if isinstance(start, int):
-        turns = rope_table(start, T, hd, x.device)
+        cos, sin = rope_table(start, T, hd, x.device)
     else:
-        turns = rotations(start.view(-1, 1) + torch.arange(T, device=x.device), hd)[:, None]
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * turns).flatten(-2).type_as(x)
+        positions = (start.view(-1, 1) + torch.arange(T, device=x.device)).float()
+        cos, sin = (t[:, None] for t in rotations(positions[..., None] * frequencies(hd, x.device)))
+    pairs = x.float()
+    swapped = pairs.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (pairs * cos + swapped * sin).type_as(x)
 
 
-def rotations(positions, head_dim):
-    """e^(i angle) for angle[..., t, j] = positions[..., t] * 10000^(-2j / head_dim), complex64."""
-    inv = 10000 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    angles = positions[..., None].float() * inv
-    return torch.polar(torch.ones_like(angles), angles)
+def frequencies(head_dim, device):
+    return 10000 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+
+
+def rotations(angles):
+    """cos and (-sin, sin) of angles (..., T, head_dim / 2), each repeated for both channels of a pair."""
+    sin = angles.sin()
+    return angles.cos().repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
 @functools.lru_cache(maxsize=8)
 def rope_table(start, T, head_dim, device):
     """rotations() for positions start..start+T-1, kept: the 2 x n_layers calls of one step share it."""
-    with torch.inference_mode(False):  # a plain tensor, so training can use it after generation made it
-        return rotations(torch.arange(start, start + T, device=device), head_dim)
+    with torch.inference_mode(False):  # plain tensors, so training can use them after generation made them
+        freqs = frequencies(head_dim, device)
+        # Gotcha 1: the angles begin at the token's true position, not at 0
+        angles = torch.arange(start, start + T, dtype=torch.float32, device=device)[:, None] * freqs
+        return rotations(angles)
 
 
 class Linear(nn.Linear):

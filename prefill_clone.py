@@ -26,7 +26,7 @@ import torch
 from bpe import utf8_bytes
 from cached import encode_prompt, load_pair
 from cli import Parser, as_id, check_count, check_fits, device_from, run_cli, show_progress
-from kernels import KERNELS, choose, kernel_named, sync
+from kernels import DTYPES, KERNELS, DecodeStep, check_dtype, choose, kernel_named, sync
 from model import check_finite, linear_kernel
 from sampling import check_knobs, draw
 
@@ -54,11 +54,14 @@ class KVCache:
                              f"use max_len <= {context}: past it the cache is a ring")
         check_fits(cache_bytes(batch, n_layers, max_len, n_kv_heads, head_dim, dtype),
                    f"a cache of {batch} rows x {max_len} positions", device)
-        # nanochat's shape as a view of head-major storage: each head's keys are then one
-        # contiguous block, which is what attention reads every step (2x faster at batch 16 on a CPU).
+        # k, v: nanochat's shape, as views of head-major storage (heads_k, heads_v): each head's keys
+        # are then one contiguous block, which is what attention reads every step (2x faster at batch
+        # 16 on a CPU).
         storage = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(storage, dtype=dtype, device=device).transpose(2, 3)
-        self.v = torch.zeros(storage, dtype=dtype, device=device).transpose(2, 3)
+        self.heads_k = torch.zeros(storage, dtype=dtype, device=device)
+        self.heads_v = torch.zeros(storage, dtype=dtype, device=device)
+        self.k, self.v = self.heads_k.transpose(2, 3), self.heads_v.transpose(2, 3)
+        self.layer_ids = torch.arange(n_layers, device=device)
         self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.context = context or max_len
         self.rows = torch.arange(batch, device=device)
@@ -95,12 +98,15 @@ class KVCache:
         nothing read on the host (what a CUDA graph needs); attention reads every slot and a mask
         hides the unwritten ones.
         """
-        keys, values = self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)  # (B, H, max_len, hd)
+        keys, values = self.heads_k[layer], self.heads_v[layer]  # (B, H, max_len, hd)
         B, T, L = k.shape[0], k.shape[2], keys.shape[2]
         mask = None
         if not isinstance(start, int):
-            slot = start % L
-            keys[self.rows, :, slot], values[self.rows, :, slot] = k[:, :, 0], v[:, :, 0]
+            # written through the storage itself, not a view of it: compiled, a write into a view
+            # becomes a copy of the whole cache every step
+            layer_id, slot = self.layer_ids[layer:layer + 1], start % L
+            self.heads_k[layer_id, self.rows, :, slot] = k[:, :, 0]
+            self.heads_v[layer_id, self.rows, :, slot] = v[:, :, 0]
             mask = (self.slots <= start.view(B, 1)).view(B, 1, 1, L)
         elif T > 1:
             if start != 0 or T > L:
@@ -113,7 +119,7 @@ class KVCache:
                                  f"than the context ({self.context}) would drop keys the model still sees")
             keys[:, :, start % L], values[:, :, start % L] = k[:, :, 0], v[:, :, 0]
             keys, values = keys[:, :, :start + 1], values[:, :, :start + 1]
-        if layer == self.k.shape[0] - 1:
+        if layer == self.heads_k.shape[0] - 1:
             self.cache_seqlens += T
         return keys, values, mask
 
@@ -177,81 +183,12 @@ def prompt_per_row(model, prompt, cache):
     return logits.expand(cache.shape["batch"], -1)
 
 
-# inductor settings that won on a CPU: weights frozen as constants (float32 products then run on
-# MKL-packed weights) and the graph called from C++ rather than Python
-COMPILE_OPTIONS = {"cpu": {"freezing": True, "cpp_wrapper": True}, "cuda": {}}
-
-
-class DecodeStep:
-    """model.step for one token per row, graph-safe, optionally compiled and/or captured as a CUDA graph.
-
-    A static token buffer; each row's position is read from cache_seqlens on the device and the cache
-    is written in place, so a step needs no Python-side state: what torch.compile (one graph, no
-    breaks) and a CUDA graph (replayed with no host work) both need. compile: torch.compile once,
-    its time kept in compile_seconds. capture (CUDA only): replay a captured graph of the step.
-    """
-
-    def __init__(self, model, cache, compile=False, capture=False):
-        self.model, self.cache = model, cache
-        self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
-        self.run, self.graph, self.compile_seconds = self._step, None, 0.0
-        if compile:
-            self.run = torch.compile(self._step, dynamic=False, options=COMPILE_OPTIONS[cache.k.device.type])
-            started = time.perf_counter()
-            self._rehearse(self.run)  # the first call compiles
-            self.compile_seconds = time.perf_counter() - started
-        if capture:
-            self._rehearse(self._capture)
-
-    def _step(self):
-        return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
-
-    def _rehearse(self, fn):
-        """Run fn, then put the cache back as it was: rehearsals must not count as steps."""
-        saved = (self.cache.k.clone(), self.cache.v.clone(), self.cache.cache_seqlens.clone())
-        fn()
-        for live, kept in zip((self.cache.k, self.cache.v, self.cache.cache_seqlens), saved):
-            live.copy_(kept)
-
-    def _capture(self):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # warm-up runs, which capture requires, on a side stream
-                self.run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.run()
-
-    def __call__(self, token, pos):
-        """Feed token (B, 1); pos is unused (the positions live on the device). Returns logits (B, vocab)."""
-        self.token.copy_(token)
-        if self.graph is None:
-            return self.run()
-        self.graph.replay()
-        return self.logits
-
-
 @dataclass
 class RowState:
     tokens: list
     n_prompt: int
     forced_tokens: deque = field(default_factory=deque)
     completed: bool = False
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_dtype(dtype, device):
-    """One of DTYPES (a name or the torch.dtype); float16 only on CUDA, where it has fast kernels."""
-    dtype = DTYPES.get(dtype, dtype)
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    if dtype == torch.float16 and device.type != "cuda":
-        raise ValueError("float16 runs only on CUDA here; on the CPU use bfloat16")
-    return dtype
 
 
 class Engine:

@@ -13,7 +13,8 @@ compiled, and may part from float32's in bfloat16.
 
 from cached import encode_prompt, load_pair
 from cli import Parser, check_count, device_from, run_cli
-from prefill_clone import DTYPES, Engine, check_dtype
+from kernels import DTYPES, check_dtype
+from prefill_clone import Engine
 
 SETTINGS = {
     "greedy": dict(temperature=0),

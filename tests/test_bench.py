@@ -45,7 +45,9 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     assert drift["weights"] == "holmes.pt" and drift["tokens"] == 16 and 0 < drift["max_logit_difference"] < 1
     assert drift["first_difference"] is None or 0 <= drift["first_difference"] < 16
     assert report["cuda"]["skipped"].startswith("skipped: needs a CUDA device")
-    numbers = dict(positive_numbers({k: report[k] for k in ("decode", "memory", "prefill_clone", "kernels")}))
+    forms = {"engine", "engine_compiled", "engine_bf16", "transformers"}  # the engines beside them when installed
+    assert [r["batch"] for r in report["peers"]] == [1, 4] and all(forms <= set(r) for r in report["peers"])
+    numbers = dict(positive_numbers({k: report[k] for k in ("decode", "memory", "prefill_clone", "kernels", "peers")}))
     assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers
     assert "5. CUDA" in run.stdout and "skipped" in run.stdout
 

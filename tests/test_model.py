@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dataclasses import dataclass
 
 from cli import device_from
-from model import GPT, Config, load_checkpoint, parameter_count, save_checkpoint
+from model import GPT, Config, check_finite, load_checkpoint, parameter_count, save_checkpoint
 
 PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}
 
@@ -297,3 +297,13 @@ def test_a_huge_config_in_a_tiny_file_is_one_line_from_a_script_before_anything_
                          timeout=60)
     assert run.returncode == 1 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert "the model its config describes" in run.stderr
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_check_finite_catches_one_bad_score_anywhere_and_passes_finite_extremes(bad):
+    scores = torch.randn(3, 4096)
+    scores[0, 0], scores[2, 1] = torch.finfo(torch.float32).max, torch.finfo(torch.float32).min
+    assert check_finite(scores, 0) is scores
+    scores[1, 4000] = bad
+    with pytest.raises(ValueError, match="scores for new token 7 are NaN or infinite"):
+        check_finite(scores, 7)

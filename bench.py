@@ -4,7 +4,8 @@
 
 Untrained weights, greedy, fp32, 8-token random prompts, seeded. Each figure
 is the median of --runs runs after a warm-up, with its spread (half the range,
-as a share of the median). Rows print as they are measured:
+as a share of the median); the figures a row compares take turns, one run each
+a round, so their ratios are measured side by side. Rows print as they are measured:
 
 1. Cache memory measured from the tensors against the formula.
 2. Time to first token: N separate runs of the prompt against one plus a copy.
@@ -42,19 +43,25 @@ def median(xs):
     return sorted(xs)[len(xs) // 2]
 
 
-def measure(fn, runs, device, warmup=None, label=""):
-    """Median and spread (half range / median) of fn's wall time over runs, after a warm-up."""
-    (warmup or fn)()
-    times, started = [], time.time()
+def measure(fns, runs, device, warmups=None, label=""):
+    """{name: (median, spread)} of each fn's wall time over runs (spread: half the range / median).
+
+    Each fn is warmed up once (with warmups[name] if given), then they take turns, one run each a
+    round: on a shared machine a neighbour's load then falls on all of them alike, and the ratios
+    between them, measured side by side, stay fair.
+    """
+    for name, fn in fns.items():
+        (warmups or fns)[name]()
+    times, started = {name: [] for name in fns}, time.time()
     for i in range(runs):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        show_progress(f"  {label} runs", i + 1, runs, started)
-    mid = median(times)
-    return mid, (max(times) - min(times)) / 2 / mid
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+        show_progress(f"  {label} rounds", i + 1, runs, started)
+    return {name: (median(ts), (max(ts) - min(ts)) / 2 / median(ts)) for name, ts in times.items()}
 
 
 def machine(device):
@@ -94,11 +101,11 @@ def table_decode(model, engines, device, sizes, runs, out):
             raise SystemExit("bench.py: error: the compiled Engine gave other tokens than the eager one")
         for n in sizes["lengths"]:
             row = {"batch": batch, "tokens": n}
-            for name, fn in ways.items():
-                t, spread = measure(lambda: fn(idx, n), runs, device, warmup=lambda: fn(idx, 8),
-                                    label=f"batch {batch}, {n} tokens, {name}:")
-                row[name] = batch * n / t
-                row[name + "_spread"] = spread
+            timed = measure({name: lambda fn=fn: fn(idx, n) for name, fn in ways.items()}, runs, device,
+                            warmups={name: lambda fn=fn: fn(idx, 8) for name, fn in ways.items()},
+                            label=f"batch {batch}, {n} tokens:")
+            for name, (t, spread) in timed.items():
+                row[name], row[name + "_spread"] = batch * n / t, spread
             row["compile_seconds"] = engines["engine_compiled"].compile_seconds[batch]
             out.append(row)
             cells = " ".join(f"{row[k]:>7,.0f} ±{row[k + '_spread']:>4.0%}" for k in ways)
@@ -144,9 +151,9 @@ def table_prefill(model, device, sizes, runs, out):
     for n_prompt in sizes["prompts"]:
         prompt = torch.randint(model.cfg.vocab_size, (n_prompt,), generator=gen).tolist()
         for n in sizes["clones"]:
-            sep, clone = (measure(lambda: timed_generation(Engine(model, fill=fill), prompt, n, 1, temperature=0),
-                                  runs, device)[0]
-                          for fill in (prompt_per_row, clone_prompt))
+            sep, clone = (t for t, _ in measure(
+                {fill: lambda fill=fill: timed_generation(Engine(model, fill=fill), prompt, n, 1, temperature=0)
+                 for fill in (prompt_per_row, clone_prompt)}, runs, device).values())
             out.append({"prompt": n_prompt, "n": n, "separate_ms": sep * 1e3, "clone_ms": clone * 1e3})
             print(f"{n_prompt:>6} {n:>3} {sep * 1e3:>10.1f} {clone * 1e3:>10.1f} {sep / clone:>7.1f}x", flush=True)
 
@@ -171,10 +178,13 @@ def table_kernels(model, device, sizes, runs, out):
         token, cache = decode_fixture(model, batch, device)
         ctx, steps = model.cfg.context, sizes["steps"]
         row = {"batch": batch, "kernels_ms": {n: t and t * 1e3 for n, t in measured.items()}, "chosen": chosen}
-        for name in (chosen, "nn"):
-            with linear_kernel(None if name == "nn" else KERNELS[name]):
-                t = measure(lambda: [model.step(token, cache, ctx) for _ in range(steps)], runs, device)[0]
-            row[f"step_ms_{'nn' if name == 'nn' else 'chosen'}"] = t / steps * 1e3
+        def steps_with(kernel):
+            with linear_kernel(kernel):
+                for _ in range(steps):
+                    model.step(token, cache, ctx)
+        timed = measure({"chosen": lambda: steps_with(KERNELS[chosen]), "nn": lambda: steps_with(None)}, runs, device)
+        for name, (t, _) in timed.items():
+            row[f"step_ms_{name}"] = t / steps * 1e3
         out.append(row)
         cells = ", ".join(f"{n} {'not exact' if t is None else f'{t:.2f}'}" for n, t in row["kernels_ms"].items())
         print(f"  batch {batch:>2}: {cells}")
@@ -215,7 +225,7 @@ def table_cuda(model, device, sizes, runs, out):
         runs_of = {e: lambda e=e: e.generate_batch(prompt, batch, max_tokens=n_tokens, temperature=0)[0]
                    for e in (eager, graphed)}
         same = runs_of[eager]() == runs_of[graphed]()
-        t_eager, t_graph = (measure(runs_of[e], runs, device)[0] for e in (eager, graphed))
+        t_eager, t_graph = (t for t, _ in measure(runs_of, runs, device).values())
         row = {"batch": batch, "tokens": n_tokens, "eager_tok_s": batch * n_tokens / t_eager,
                "graph_tok_s": batch * n_tokens / t_graph, "same_tokens": same}
         out["graph"].append(row)
@@ -261,8 +271,9 @@ def table_peers(model, engines, device, sizes, runs, out):
         print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in peers) + f" {'compiled/' + versus:>22}")
         for batch in sizes["batches"]:
             row = {"batch": batch, "tokens": n}
-            for name, run in peers.items():
-                row[name] = batch * n / measure(lambda: run(batch), runs, device, label=f"batch {batch}, {name}:")[0]
+            timed = measure({name: lambda run=run: run(batch) for name, run in peers.items()}, runs, device,
+                            label=f"batch {batch}:")
+            row.update({name: batch * n / t for name, (t, _) in timed.items()})
             out.append(row)
             print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" for name in peers)
                   + f" {row['engine_compiled'] / row[versus]:>21.2f}x", flush=True)
@@ -302,7 +313,8 @@ def main():
     engines = engine_forms(model)
     info = machine(device)
     print(f"bench.py: {info['device']} ({info.get('gpu', info['cpu'])}), {info['threads']} threads, "
-          f"torch {info['torch']}, untrained weights, greedy, fp32, median of {args.runs} runs after a warm-up")
+          f"torch {info['torch']}, untrained weights, greedy, fp32, median of {args.runs} runs in turns after a "
+          "warm-up")
     report = {"machine": info, "quick": args.quick, "runs": args.runs, "tables": sorted(tables),
               "decode": [], "memory": [], "prefill_clone": [], "kernels": [], "bf16_drift": {}, "cuda": {}}
     if "1" in tables:

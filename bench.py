@@ -10,7 +10,8 @@ a round, so their ratios are measured side by side. Rows print as they are measu
 1. Cache memory measured from the tensors against the formula.
 2. Time to first token: N separate runs of the prompt against one plus a copy.
 3. The decode step's matrix multiply: every exact kernel in kernels.py timed
-   here, the one the Engine chose, and a whole step with it and with nn.Linear.
+   here, the one the Engine chose, and a whole step with it and with nn.Linear;
+   on the CPU, the step compiled with the graph called from C++ and from Python.
 4. The post's table: tok/s with no cache (Part 3's loop), cached.py's cache,
    and prefill_clone's Engine (preallocated ring cache, fastest kernel) as it
    runs by default, compiled (compile=True, compile time reported apart) and
@@ -30,7 +31,7 @@ import torch
 
 from cached import CachedGPT, first_difference, load
 from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
-from kernels import KERNELS, choose, sync
+from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, choose, sync
 from model import Config, Linear, linear_kernel
 from prefill_clone import Engine, clone_prompt, prompt_per_row, run_prompt, timed_generation
 
@@ -190,6 +191,20 @@ def table_kernels(model, device, sizes, runs, out):
         print(f"  batch {batch:>2}: {cells}")
         print(f"            chosen: {chosen}; whole step {row['step_ms_chosen']:.3f} ms, "
               f"with nn.Linear {row['step_ms_nn']:.3f} ms", flush=True)
+        if batch == 1 and device.type == "cpu":
+            row["compiled_step_ms"] = compiled_both_ways(model, device, steps, runs)
+            print("            compiled: whole step {cpp_wrapper:.3f} ms with the graph called from C++ "
+                  "(kernels.COMPILE_OPTIONS), {python_wrapper:.3f} ms from Python".format(**row["compiled_step_ms"]))
+
+
+def compiled_both_ways(model, device, steps, runs):
+    """The batch-1 step compiled with cpp_wrapper on and off, timed in turns at a full cache (ms)."""
+    token, cache = decode_fixture(model, 1, device)
+    ways = {name: DecodeStep(model, cache, compile=True, options={**COMPILE_OPTIONS["cpu"], "cpp_wrapper": on})
+            for name, on in (("cpp_wrapper", True), ("python_wrapper", False))}
+    timed = measure({name: lambda s=s: [s(token, None) for _ in range(steps)] for name, s in ways.items()},
+                    runs, device)
+    return {name: t / steps * 1e3 for name, (t, _) in timed.items()}
 
 
 @torch.inference_mode()

@@ -185,8 +185,21 @@ def check_dtype(dtype, device):
     return dtype
 
 
-# inductor settings that won on the CPU (measured on an AMD EPYC, each both ways): weights frozen
-# as constants, and the graph called from C++ rather than Python (a step 4% to 11% faster)
+
+def add_speed_flags(ap):
+    """--compile and --dtype, for the scripts that run the Engine."""
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to compile)")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and cache (float16: CUDA)")
+
+
+def speed_flags(args):
+    """The Engine's compile and dtype from those flags, the dtype checked before any checkpoint is read."""
+    return dict(compile=args.compile, dtype=check_dtype(args.dtype, device_from(args.device)))
+
+
+# inductor settings: on the CPU weights frozen as constants, and the graph called from C++ rather
+# than Python, which made a step 4% to 11% faster on an AMD EPYC. bench.py table 3 times the step
+# compiled both ways where it runs; if Python's wrapper wins there, set cpp_wrapper False here.
 COMPILE_OPTIONS = {"cpu": {"freezing": True, "cpp_wrapper": True}, "cuda": {}}
 
 
@@ -196,15 +209,17 @@ class DecodeStep:
     A static token buffer; each row's position is read from cache_seqlens on the device and the cache
     is written in place, so a step needs no Python-side state: what torch.compile (one graph, no
     breaks) and a CUDA graph (replayed with no host work) both need. compile: torch.compile once,
-    its time kept in compile_seconds. capture (CUDA only): replay a captured graph of the step.
+    its time kept in compile_seconds, with COMPILE_OPTIONS or the inductor `options` given.
+    capture (CUDA only): replay a captured graph of the step.
     """
 
-    def __init__(self, model, cache, compile=False, capture=False):
+    def __init__(self, model, cache, compile=False, capture=False, options=None):
         self.model, self.cache = model, cache
         self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
         if compile:
-            self.run = torch.compile(self._step, dynamic=False, options=COMPILE_OPTIONS[cache.k.device.type])
+            options = COMPILE_OPTIONS[cache.k.device.type] if options is None else options
+            self.run = torch.compile(self._step, dynamic=False, options=options)
             started = time.perf_counter()
             self._rehearse(self.run)  # the first call compiles
             self.compile_seconds = time.perf_counter() - started

@@ -25,8 +25,8 @@ import torch
 
 from bpe import utf8_bytes
 from cached import encode_prompt, load_pair
-from cli import Parser, as_id, check_count, check_fits, device_from, run_cli, show_progress
-from kernels import DTYPES, KERNELS, DecodeStep, check_dtype, choose, kernel_named, sync
+from cli import Parser, as_id, check_count, check_fits, run_cli, show_progress
+from kernels import KERNELS, DecodeStep, add_speed_flags, check_dtype, choose, kernel_named, speed_flags, sync
 from model import check_finite, linear_kernel
 from sampling import check_knobs, draw
 
@@ -216,6 +216,9 @@ class Engine:
         self.model = model if model.emb.weight.dtype == dtype else copy.deepcopy(model).to(dtype)
         self.tokenizer, self.kernel, self.fill = tokenizer, kernel, fill
         self.compile, self.cuda_graph = compile, cuda_graph
+        # a compiled or graphed step is made once per batch and kept; it reads every slot of a
+        # full-context cache behind a mask, so one of them serves every prompt and length
+        self.keeps_step = compile or cuda_graph
         self.rows, self.busy = [], False
         self.vocab_size = model.cfg.vocab_size
         self.chosen, self.steps, self.compile_seconds = {}, {}, {}  # each keyed by batch size
@@ -231,7 +234,7 @@ class Engine:
     def _decoder(self, batch, max_len):
         """An empty cache of `batch` rows and the decode step that writes it: a graph-safe step and
         its cache are made once per batch and kept (compiling or capturing costs more than a run)."""
-        if not (self.compile or self.cuda_graph):
+        if not self.keeps_step:
             cache = KVCache.for_model(self.model, batch, max_len)
             return cache, lambda token, pos: self.model.step(token, cache, pos)
         if batch not in self.steps:
@@ -304,7 +307,7 @@ class Engine:
         if max_tokens is not None:
             check_count("max_tokens", max_tokens)
         max_len, cfg, w = cache_len(self.model, len(tokens), max_tokens), self.model.cfg, self.model.emb.weight
-        if self.compile or self.cuda_graph:  # a kept step reads every slot (masked): one length serves all runs
+        if self.keeps_step:
             max_len = cfg.context
         # before the rows' own state is built: a batch too big for memory is refused here, with its size
         check_fits(cache_bytes(num_samples, cfg.n_layers, max_len, cfg.n_kv_heads, cfg.head_dim, w.dtype),
@@ -406,8 +409,7 @@ def main():
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to compile)")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and cache (float16: CUDA)")
+    add_speed_flags(ap)
     args = ap.parse_args()
     if args.n < 1:
         raise ValueError(f"-n must be at least 1, got {args.n}")
@@ -417,12 +419,12 @@ def main():
         raise ValueError(f"--tokens must be at least 1, got {args.tokens}")
     knobs = dict(temperature=args.temperature, top_p=args.top_p)
     check_knobs(**knobs)
-    dtype = check_dtype(args.dtype, device_from(args.device))  # refused before the checkpoint is read
+    speed = speed_flags(args)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
     KVCache.for_model(model, args.n, cache_len(model, len(tokens), args.tokens))  # refuses a cache too big, early
 
-    engines = {name: Engine(model, tokenizer, compile=args.compile, dtype=dtype, fill=fill)
+    engines = {name: Engine(model, tokenizer, fill=fill, **speed)
                for name, fill in (("clone", clone_prompt), ("separate", prompt_per_row))}
     runs = {name: [timed_generation(engine, tokens, args.n, args.tokens, f"{name}, run {i + 1}/3, tokens",
                                     seed=args.seed, **knobs) for i in range(3)]

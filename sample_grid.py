@@ -12,8 +12,8 @@ compiled, and may part from float32's in bfloat16.
 """
 
 from cached import encode_prompt, load_pair
-from cli import Parser, check_count, device_from, run_cli
-from kernels import DTYPES, check_dtype
+from cli import Parser, check_count, run_cli
+from kernels import add_speed_flags, speed_flags
 from prefill_clone import Engine
 
 SETTINGS = {
@@ -43,16 +43,15 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to compile)")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and cache (float16: CUDA)")
+    add_speed_flags(ap)
     args = ap.parse_args()
     check_count("--tokens", args.tokens)
     if not 0 <= args.seed < 2**64:
         raise ValueError(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
-    dtype = check_dtype(args.dtype, device_from(args.device))  # refused before the checkpoint is read
+    speed = speed_flags(args)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
-    rows = grid(model, tokens, args.tokens, args.seed, "tokens", compile=args.compile, dtype=dtype)
+    rows = grid(model, tokens, args.tokens, args.seed, "tokens", **speed)
     for name, row in rows.items():
         print(f"=== {name}")
         print(tokenizer.decode(tokens + row).strip())

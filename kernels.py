@@ -198,7 +198,7 @@ def speed_flags(args):
 
 
 # inductor settings: on the CPU weights frozen as constants, and the graph called from C++ rather
-# than Python, which made a step 4% to 11% faster on an AMD EPYC. bench.py table 3 times the step
+# than Python, which made a step 4% to 17% faster on an AMD EPYC. bench.py table 3 times the step
 # compiled both ways where it runs; if Python's wrapper wins there, set cpp_wrapper False here.
 COMPILE_OPTIONS = {"cpu": {"freezing": True, "cpp_wrapper": True}, "cuda": {}}
 

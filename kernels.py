@@ -88,8 +88,19 @@ def onednn_packed(layer, rows):
     return torch.ops.mkldnn._linear_pointwise(rows, packed, layer.bias, "none", [], "")
 
 
+def split_rows(layer, rows):
+    """W cut into blocks of output rows, one product per block in one torch.bmm, which runs the blocks on
+    all cores: a BLAS multiplies a few rows by a small matrix on one core, so the others sit idle."""
+    w, parts = layer.weight, 2 * torch.get_num_threads()  # more blocks than cores, so none waits on one slow block
+    if w.shape[0] % parts:
+        return None
+    blocks, cols = w.view(parts, -1, w.shape[1]), rows.T.expand(parts, -1, -1)
+    out = torch.bmm(blocks, cols) if layer.bias is None else torch.baddbmm(layer.bias.view(parts, -1, 1), blocks, cols)
+    return out.view(w.shape[0], -1).T.contiguous()
+
+
 KERNELS = {"nn": nn_linear, "left": weights_left, "twice": lone_row_twice, "transposed": transposed,
-           "mv": matrix_vector, "mkl": mkl_packed, "onednn": onednn_packed}
+           "mv": matrix_vector, "mkl": mkl_packed, "onednn": onednn_packed, "split": split_rows}
 
 
 def runs_here(name, device, dtype):

@@ -97,12 +97,17 @@ def test_engine_greedy_rows_equal_cached_output():
     assert rows == [expected] * 3 and masks == [[1] * 27] * 3
 
 
+KNOB_SETS = [dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9),
+             dict(temperature=1.2, top_k=20, top_p=0.95, penalty=1.3)]
+
+
+@pytest.mark.parametrize("knobs", KNOB_SETS, ids=["top-k", "top-p", "all four"])
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_row_i_of_n_samples_what_cached_py_samples_with_a_generator_seeded_seed_plus_i(n):
+def test_row_i_of_n_samples_what_cached_py_samples_with_a_generator_seeded_seed_plus_i(n, knobs):
     model = small()
-    rows, _ = Engine(model).generate_batch(PROMPT, n, max_tokens=20, seed=100, temperature=1.0, top_k=50)
+    rows, _ = Engine(model).generate_batch(PROMPT, n, max_tokens=20, seed=100, **knobs)
     for i in range(n):
-        pick = picker(torch.Generator().manual_seed(100 + i), temperature=1.0, top_k=50)
+        pick = picker(torch.Generator().manual_seed(100 + i), **knobs)
         alone = model.generate_cached(torch.tensor([PROMPT]), 20, pick)[0, len(PROMPT):].tolist()
         assert rows[i] == alone
 
@@ -114,10 +119,13 @@ def test_each_row_samples_its_own_first_token():
 
 def test_per_row_settings_and_seed_lists():
     model = small()
-    settings = [dict(temperature=0), dict(temperature=1.5, top_p=0.9)]
-    rows, _ = Engine(model).generate_batch(PROMPT, 2, max_tokens=10, seed=[7, 7], settings=settings)
-    for row, s in zip(rows, settings):
-        assert row == Engine(model).generate_batch(PROMPT, 1, max_tokens=10, seed=7, **s)[0][0]
+    # rows sharing knobs are filtered as one batch; each must still sample what it samples alone
+    settings = [dict(temperature=0), dict(temperature=1.5, top_p=0.9), KNOB_SETS[2], dict(temperature=1.5, top_p=0.9),
+                KNOB_SETS[2]]
+    seeds = [7, 7, 8, 9, 10]
+    rows, _ = Engine(model).generate_batch(PROMPT, 5, max_tokens=10, seed=seeds, settings=settings)
+    for row, seed, s in zip(rows, seeds, settings):
+        assert row == Engine(model).generate_batch(PROMPT, 1, max_tokens=10, seed=seed, **s)[0][0]
 
 
 def test_forced_tokens_have_mask_0_and_generation_goes_on_after_them():

@@ -366,7 +366,7 @@ def test_a_stop_string_of_any_length_ends_the_row_where_it_first_appears(shipped
 
 def test_compiled_engine_gives_the_eager_tokens_compiles_once_per_batch_and_keeps_each_models_weights():
     sampled = {}
-    for seed in (0, 1):  # a second model of the same shape must not run the first one's frozen weights
+    for seed in (0, 1):  # a second model of the same shape must not run the first one's weights
         model = small(seed=seed)
         with torch.no_grad():  # untrained scores are too flat for two models to pick apart
             for p in model.parameters():

@@ -16,6 +16,7 @@ DecodeStep is the same step in a form torch.compile and CUDA graphs accept
 prints what each candidate took for one step's 25 multiplies and which won.
 """
 import time
+import types
 import weakref
 
 import torch
@@ -208,12 +209,27 @@ def speed_flags(args):
     return dict(compile=args.compile, dtype=check_dtype(args.dtype, device_from(args.device)))
 
 
-# inductor settings: on the CPU the graph is called from C++ rather than Python, which made a step
-# 4% to 17% faster on an AMD EPYC; bench.py table 3 times the step compiled both ways where it runs,
-# and if Python's wrapper wins there, set cpp_wrapper False here. The weights stay inputs of the
-# graph, so one compile serves every model of the same shapes: freezing them in as constants (set in
-# torch._inductor.config; given here, torch 2.13 ignores it) was within 3% on that CPU.
-COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True}, "cuda": {}}
+# inductor settings. On the CPU the weights are frozen into the graph as constants, which lets
+# max_autotune try its own C++ matrix multiplies (weights packed, every core used): on a 2-core AMD
+# EPYC a compiled step ran 1.5x (batch 16) to 1.9x (batch 1) faster than with ATen's multiplies,
+# for 30 to 60 s of compiling. And the graph is called from C++ rather than Python (4% to 17%
+# faster there). bench.py table 3 times the step compiled with cpp_wrapper on and off where it runs;
+# if Python's wrapper wins there, set it False here. "freezing" is read by DecodeStep, not inductor.
+COMPILE_OPTIONS = {"cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                           "cpp_wrapper": True},
+                   "cuda": {}}
+
+
+def weights_state(model):
+    """The model's weight tensors and how often each was changed in place (inference tensors cannot be)."""
+    return [(p, 0 if p.is_inference() else p._version) for p in model.parameters()]
+
+
+def own_copy(fn):
+    """fn with a code object of its own. torch.compile keeps its graphs per code object, and a step with
+    weights frozen in must never be handed the graph of another step: another model's, or this model's
+    before its weights changed."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 class DecodeStep:
@@ -222,7 +238,8 @@ class DecodeStep:
     A static token buffer; each row's position is read from cache_seqlens on the device and the cache
     is written in place, so a step needs no Python-side state: what torch.compile (one graph, no
     breaks) and a CUDA graph (replayed with no host work) both need. compile: torch.compile once,
-    its time kept in compile_seconds, with COMPILE_OPTIONS or the inductor `options` given.
+    its time kept in compile_seconds, with COMPILE_OPTIONS or the inductor `options` given; the
+    compiled graph is this step's alone, and check_weights() says whether it still fits the model.
     capture (CUDA only): replay a captured graph of the step.
     """
 
@@ -230,17 +247,28 @@ class DecodeStep:
         self.model, self.cache = model, cache
         self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
+        self.weights = weights_state(model)
         if compile:
-            options = COMPILE_OPTIONS[cache.k.device.type] if options is None else options
-            self.run = torch.compile(self._step, dynamic=False, options=options)
+            options = dict(COMPILE_OPTIONS[cache.k.device.type] if options is None else options)
+            freeze = options.pop("freezing", False)
+            self.run = torch.compile(types.MethodType(own_copy(DecodeStep._step), self), dynamic=False,
+                                     options=options)
             started = time.perf_counter()
-            self._rehearse(self.run)  # the first call compiles
+            with torch._inductor.config.patch(freezing=freeze):  # read from the config while compiling
+                self._rehearse(self.run)  # the first call compiles
             self.compile_seconds = time.perf_counter() - started
         if capture:
             self._rehearse(self._capture)
 
     def _step(self):
         return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
+
+    def check_weights(self):
+        """Refuse to run weights other than those the step was made with (a compiled step may hold them)."""
+        if len(self.weights) != len(now := weights_state(self.model)) or any(
+                p is not q or v != w for (p, v), (q, w) in zip(self.weights, now)):
+            raise ValueError("the model's weights changed after this Engine made its decode step (compile=True "
+                             "freezes them into it); make a new Engine for the new weights")
 
     def _rehearse(self, fn):
         """Run fn, then put the cache back as it was: rehearsals must not count as steps."""

@@ -244,6 +244,7 @@ class Engine:
                 self.steps[batch] = DecodeStep(self.model, cache, self.compile, capture)
             self.compile_seconds[batch] = self.steps[batch].compile_seconds
         step = self.steps[batch]
+        step.check_weights()
         step.cache.reset()
         return step.cache, step
 

@@ -364,20 +364,22 @@ def test_a_stop_string_of_any_length_ends_the_row_where_it_first_appears(shipped
     assert stopped == free[:first] and first >= end - start
 
 
-def test_compiled_engine_gives_the_eager_tokens_compiles_once_per_batch_and_keeps_each_models_weights():
-    sampled = {}
-    for seed in (0, 1):  # a second model of the same shape must not run the first one's weights
-        model = small(seed=seed)
-        with torch.no_grad():  # untrained scores are too flat for two models to pick apart
-            for p in model.parameters():
-                p.mul_(10)
+def test_compiled_engine_gives_the_eager_tokens_compiles_once_per_batch_and_never_runs_stale_weights():
+    model, sampled = small(), []
+    for seed in (0, 1):
+        with torch.no_grad():  # in place: the same tensors now hold other weights (x10: untrained
+            for p, q in zip(model.parameters(), small(seed=seed).parameters()):  # scores are too flat)
+                p.copy_(q * 10)
+        if seed == 1:  # the first Engine froze the old weights into its step: it must refuse, not run them
+            with pytest.raises(ValueError, match="weights changed after this Engine made its decode step"):
+                engine.generate_batch(PROMPT, 2, max_tokens=3)
         engine = Engine(model, compile=True)
         for prompt, n in ((PROMPT, 12), (PROMPT[:3], 5)):  # one compile serves every prompt and length
             for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
                 eager = Engine(model).generate_batch(prompt, 2, max_tokens=n, **knobs)[0]
                 assert engine.generate_batch(prompt, 2, max_tokens=n, **knobs)[0] == eager
         assert list(engine.compile_seconds) == [2] and engine.compile_seconds[2] > 0
-        sampled[seed] = eager
+        sampled.append(eager)
     assert sampled[0] != sampled[1]
 
 

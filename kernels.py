@@ -17,6 +17,7 @@ prints what each candidate took for one step's 25 multiplies and which won.
 """
 import time
 import types
+import warnings
 import weakref
 
 import torch
@@ -214,9 +215,11 @@ def speed_flags(args):
 # EPYC a compiled step ran 1.5x (batch 16) to 1.9x (batch 1) faster than with ATen's multiplies,
 # for 30 to 60 s of compiling. And the graph is called from C++ rather than Python (4% to 17%
 # faster there). bench.py table 3 times the step compiled with cpp_wrapper on and off where it runs;
-# if Python's wrapper wins there, set it False here. "freezing" is read by DecodeStep, not inductor.
+# if Python's wrapper wins there, set it False here. "freezing" is read by DecodeStep, not inductor;
+# the last two keep the autotuner's tables of timings off stderr.
 COMPILE_OPTIONS = {"cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                           "cpp_wrapper": True},
+                           "cpp_wrapper": True, "autotune_num_choices_displayed": 0,
+                           "max_autotune_report_choices_stats": False},
                    "cuda": {}}
 
 
@@ -254,7 +257,10 @@ class DecodeStep:
             self.run = torch.compile(types.MethodType(own_copy(DecodeStep._step), self), dynamic=False,
                                      options=options)
             started = time.perf_counter()
-            with torch._inductor.config.patch(freezing=freeze):  # read from the config while compiling
+            # freezing is read from inductor's config while compiling (given as an option, it is ignored);
+            # the warning is one inductor's autotuner raises about its own use of storages
+            with torch._inductor.config.patch(freezing=freeze), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "TypedStorage is deprecated")
                 self._rehearse(self.run)  # the first call compiles
             self.compile_seconds = time.perf_counter() - started
         if capture:

@@ -28,7 +28,7 @@ from cached import encode_prompt, load_pair
 from cli import Parser, as_id, check_count, check_fits, run_cli, show_progress
 from kernels import KERNELS, DecodeStep, add_speed_flags, check_dtype, choose, kernel_named, speed_flags, sync
 from model import check_finite, linear_kernel
-from sampling import check_knobs, draw, filtered
+from sampling import check_knobs, draw
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
@@ -285,22 +285,16 @@ class Engine:
         return stops_at
 
     def sample(self, logits, history, generators, settings):
-        """One token per row (B,): the rows that share knobs are filtered as one batch (filtering is row
-        by row, so each row gets the scores it would alone), then each row draws with its own generator."""
-        if settings[0].get("temperature", 1.0) == 0 and all(s == settings[0] for s in settings):
-            return draw(logits, history=history, **settings[0])  # all greedy alike: no draws at all
+        """One token per row (B,): the rows that share knobs are scored as one batch (row by row, so each
+        row gets the scores it would alone), and each row draws with its own generator."""
+        if all(s == settings[0] for s in settings):
+            return draw(logits, history=history, generator=generators, **settings[0])
         tokens = torch.empty(len(settings), dtype=torch.long, device=logits.device)
-        for shared in {tuple(sorted(s.items())) for s in settings}:
-            knobs = dict(shared)
+        for knobs in map(dict, {tuple(sorted(s.items())) for s in settings}):
             rows = [i for i, s in enumerate(settings) if s == knobs]
             at = torch.tensor(rows, device=logits.device)
-            scores = filtered(logits[at], history=None if history is None else history[at], **knobs)
-            if knobs.get("temperature", 1.0) == 0:
-                tokens[at] = scores.argmax(dim=-1)
-                continue
-            probs = scores.softmax(dim=-1)
-            tokens[at] = torch.cat([torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[:, 0]
-                                    for j, i in enumerate(rows)])
+            tokens[at] = draw(logits[at], history=None if history is None else history[at],
+                              generator=[generators[i] for i in rows], **knobs)
         return tokens
 
     def generate(self, tokens, num_samples=1, max_tokens=None, seed=42, stop=None, forced=None, **knobs):

@@ -64,15 +64,9 @@ def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None,
 
 
 def draw(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None, generator=None):
-    """pick without its checks, for the loops that checked their inputs once, before the first token."""
-    logits = filtered(logits, temperature, top_k, top_p, penalty, history)
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+    """pick without its checks, for the loops that checked their inputs once, before the first token.
 
-
-def filtered(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None):
-    """The scores a token is drawn from: penalized, then (temperature > 0) scaled and cut to top-k and top-p."""
+    generator: one for all rows, or a list of one per row (each row then draws what it would alone)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64: no overflow
     vocab = logits.shape[-1]
     if history is not None and penalty != 1.0:
@@ -81,7 +75,7 @@ def filtered(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=N
         # Divide positive scores, multiply negative ones: both push a seen token down.
         logits = logits.scatter(1, history, torch.where(seen > 0, seen / penalty, seen * penalty))
     if temperature == 0:
-        return logits
+        return logits.argmax(dim=-1)
     logits = logits / temperature
     if 0 < top_k < vocab:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
@@ -96,7 +90,10 @@ def filtered(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=N
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return logits
+    probs = logits.softmax(dim=-1)
+    if isinstance(generator, list):
+        return torch.cat([torch.multinomial(row[None], 1, generator=g)[:, 0] for row, g in zip(probs, generator)])
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 def picker(generator=None, **knobs):

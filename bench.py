@@ -11,7 +11,8 @@ a round, so their ratios are measured side by side. Rows print as they are measu
 2. Time to first token: N separate runs of the prompt against one plus a copy.
 3. The decode step's matrix multiply: every exact kernel in kernels.py timed
    here, the one the Engine chose, and a whole step with it and with nn.Linear;
-   on the CPU, the step compiled with the graph called from C++ and from Python.
+   on the CPU, the step compiled as kernels.COMPILE_OPTIONS sets it, with the graph
+   called from Python instead, and with ATen's multiplies (nothing frozen).
 4. The post's table: tok/s with no cache (Part 3's loop), cached.py's cache,
    and prefill_clone's Engine (preallocated ring cache, fastest kernel) as it
    runs by default, compiled (compile=True, compile time reported apart) and
@@ -38,7 +39,7 @@ from prefill_clone import Engine, clone_prompt, prompt_per_row, run_prompt, time
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50, drift=256,
             wrappers=True)
 QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), steps=5, drift=16,
-             wrappers=False)  # not the two extra compiles (half a minute each) of the wrappers' line
+             wrappers=False)  # not the three extra compiles (up to half a minute each) of table 3's compiled line
 CHECKPOINT = "holmes.pt"  # the shipped weights, for the bf16 drift
 
 
@@ -194,16 +195,21 @@ def table_kernels(model, device, sizes, runs, out):
         print(f"            chosen: {chosen}; whole step {row['step_ms_chosen']:.3f} ms, "
               f"with nn.Linear {row['step_ms_nn']:.3f} ms", flush=True)
         if batch == 1 and device.type == "cpu" and sizes["wrappers"]:
-            row["compiled_step_ms"] = compiled_both_ways(model, device, steps, runs)
-            print("            compiled: whole step {cpp_wrapper:.3f} ms with the graph called from C++ "
-                  "(kernels.COMPILE_OPTIONS), {python_wrapper:.3f} ms from Python".format(**row["compiled_step_ms"]))
+            row["compiled_step_ms"] = compiled_ways(model, device, steps, runs)
+            print("            compiled: whole step {as_set:.3f} ms as kernels.COMPILE_OPTIONS sets it, "
+                  "{python_wrapper:.3f} ms with the graph called from Python, {aten:.3f} ms with ATen's "
+                  "multiplies (nothing frozen or autotuned)".format(**row["compiled_step_ms"]))
 
 
-def compiled_both_ways(model, device, steps, runs):
-    """The batch-1 step compiled with cpp_wrapper on and off, timed in turns at a full cache (ms)."""
+def compiled_ways(model, device, steps, runs):
+    """The batch-1 step compiled with COMPILE_OPTIONS, with Python's wrapper instead of C++'s, and with
+    ATen's multiplies (no frozen weights, no autotuning), timed in turns at a full cache (ms): each
+    setting chosen on one CPU, measured again wherever bench runs."""
     token, cache = decode_fixture(model, 1, device)
-    ways = {name: DecodeStep(model, cache, compile=True, options={**COMPILE_OPTIONS["cpu"], "cpp_wrapper": on})
-            for name, on in (("cpp_wrapper", True), ("python_wrapper", False))}
+    options = COMPILE_OPTIONS["cpu"]
+    ways = {name: DecodeStep(model, cache, compile=True, options=o) for name, o in (
+        ("as_set", options), ("python_wrapper", {**options, "cpp_wrapper": False}),
+        ("aten", {"cpp_wrapper": options["cpp_wrapper"]}))}
     timed = measure({name: lambda s=s: [s(token, None) for _ in range(steps)] for name, s in ways.items()},
                     runs, device)
     return {name: t / steps * 1e3 for name, (t, _) in timed.items()}

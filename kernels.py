@@ -211,12 +211,12 @@ def speed_flags(args):
 
 
 # inductor settings. On the CPU the weights are frozen into the graph as constants, which lets
-# max_autotune try its own C++ matrix multiplies (weights packed, every core used): on a 2-core AMD
-# EPYC a compiled step ran 1.5x (batch 16) to 1.9x (batch 1) faster than with ATen's multiplies,
-# for 30 to 60 s of compiling. And the graph is called from C++ rather than Python (4% to 17%
-# faster there). bench.py table 3 times the step compiled with cpp_wrapper on and off where it runs;
-# if Python's wrapper wins there, set it False here. "freezing" is read by DecodeStep, not inductor;
-# the last two keep the autotuner's tables of timings off stderr.
+# max_autotune try its own C++ matrix multiplies (weights packed, every core used) against ATen's,
+# timed where it compiles: on a 2-core AMD EPYC a compiled step ran 1.5x (batch 16) to 1.9x (batch 1)
+# faster than with ATen's alone, for about 30 s of compiling. And the graph is called from C++ rather
+# than Python (4% to 17% faster there). bench.py table 3 times the step compiled each of these ways
+# where it runs; if a simpler way wins there, change it here. "freezing" is read by DecodeStep, not
+# inductor; the last two keep the autotuner's tables of timings off stderr.
 COMPILE_OPTIONS = {"cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                            "cpp_wrapper": True, "autotune_num_choices_displayed": 0,
                            "max_autotune_report_choices_stats": False},

@@ -48,7 +48,8 @@ def median(xs):
 
 
 def measure(fns, runs, device, warmups=None, label=""):
-    """{name: (median, spread)} of each fn's wall time over runs (spread: half the range / median).
+    """{name: (median, spread)} of each fn's wall time over runs (spread: half the range / median);
+    a fn that times itself (an engine in a process of its own) returns its own seconds instead.
 
     Each fn is warmed up once (with warmups[name] if given), then they take turns, one run each a
     round: on a shared machine a neighbour's load then falls on all of them alike, and the ratios
@@ -61,9 +62,9 @@ def measure(fns, runs, device, warmups=None, label=""):
         for name, fn in fns.items():
             sync(device)
             t0 = time.perf_counter()
-            fn()
+            own = fn()
             sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(own if isinstance(own, float) else time.perf_counter() - t0)
         show_progress(f"  {label} rounds", i + 1, runs, started)
     return {name: (median(ts), (max(ts) - min(ts)) / 2 / median(ts)) for name, ts in times.items()}
 
@@ -259,19 +260,30 @@ def table_cuda(model, device, sizes, runs, out):
 
 
 def table_peers(model, engines, device, sizes, runs, out):
-    """The same weights through the serving engines installed, side by side with the Engine's forms, greedy."""
+    """The same weights through the serving engines, side by side with the Engine's forms, greedy.
+
+    llama.cpp and CTranslate2 each bring a thread pool that, once started in a process, slows torch
+    and every other engine there for the rest of it; so each runs in a fresh process of its own,
+    every round (a warm-up, then the timed run), and never during another's timing."""
     import importlib.util
-    import os
     import tempfile
 
     import export
     import serve
     from bpe import BPE
     n = min(256, max(sizes["lengths"]))
-    print(f"\n6. the same weights through the serving engines: greedy tok/s, {n} tokens (median); "
-          "the Engine's three forms as in table 4")
+    print(f"\n6. the same weights through the serving engines: greedy tok/s, {n} tokens (median); the Engine's "
+          "three forms as in table 4; llama.cpp and CTranslate2 each in a fresh process of its own every round")
     bpe = BPE.load("tokenizer.json")
     prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+    threads = torch.get_num_threads()
+    installed = {name: device.type == "cpu" and all(importlib.util.find_spec(m) for m in modules)
+                 for name, modules in (("ctranslate2", ("ctranslate2",)), ("llama_cpp", ("gguf", "llama_cpp")))}
+    for name, here in installed.items():
+        if not here:
+            why = "CUDA: the CPU engines are not compared" if device.type != "cpu" else \
+                f"not installed: pip install -r {serve.REQUIREMENTS}"
+            print(f"  {name}: left out ({why})")
     with tempfile.TemporaryDirectory() as tmp:
         export.write_folder(model, bpe, os.path.join(tmp, "hf"))
         hf, tokenizer = export.load_folder(os.path.join(tmp, "hf"))
@@ -280,26 +292,27 @@ def table_peers(model, engines, device, sizes, runs, out):
                  for name, engine in engines.items()}
         peers["transformers"] = lambda b: hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
                                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
-        if device.type == "cpu" and importlib.util.find_spec("ctranslate2"):
+        if installed["ctranslate2"]:
             serve.write_ct2(hf, tokenizer, os.path.join(tmp, "ct2"))
-            generator, tokens = serve.ct2_generator(os.path.join(tmp, "ct2")), tokenizer.convert_ids_to_tokens(prompt)
-            peers["ctranslate2"] = lambda b: serve.ct2_greedy(generator, tokens, b, n)
-        if device.type == "cpu" and importlib.util.find_spec("gguf") and importlib.util.find_spec("llama_cpp"):
+            tokens = tokenizer.convert_ids_to_tokens(prompt)
+            peers["ctranslate2"] = lambda b: serve.isolated(
+                "CTranslate2", serve.ct2_greedy, os.path.join(tmp, "ct2"), tokens, b, n, threads, 2)[1][-1]
+        if installed["llama_cpp"]:
             gguf = os.path.join(tmp, "model.gguf")
             serve.write_gguf(gguf, model.cfg, export.neox_state_dict(model), *export.spelled_vocabulary(bpe))
-            llm = serve.llama(gguf)
-            peers["llama_cpp"] = lambda b: (serve.llama_greedy(llm, prompt, n) if b == 1
-                                            else serve.llama_greedy_batch(gguf, prompt, b, n))
-        versus = "llama_cpp" if "llama_cpp" in peers else "transformers"
-        print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in peers) + f" {'compiled/' + versus:>22}")
+            peers["llama_cpp"] = lambda b: serve.isolated(
+                "llama.cpp", serve.llama_greedy, gguf, prompt, b, n, threads, 2)[1][-1]
+        names = [*peers, *(name for name, here in installed.items() if not here)]
+        print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in names) + f" {'compiled/llama_cpp':>19}")
         for batch in sizes["batches"]:
             row = {"batch": batch, "tokens": n}
             timed = measure({name: lambda run=run: run(batch) for name, run in peers.items()}, runs, device,
                             label=f"batch {batch}:")
             row.update({name: batch * n / t for name, (t, _) in timed.items()})
             out.append(row)
-            print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" for name in peers)
-                  + f" {row['engine_compiled'] / row[versus]:>21.2f}x", flush=True)
+            ratio = f"{row['engine_compiled'] / row['llama_cpp']:.2f}x" if "llama_cpp" in row else "-"
+            print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" if name in row else f"{'-':>15}" for name in names)
+                  + f" {ratio:>19}", flush=True)
 
 
 def main():

@@ -251,21 +251,31 @@ def export_gguf(model, bpe, path, kind):
     print(f"GGUF, {kind}: GPT-NeoX, GPT-2-style BPE with GPT-2's split, {os.path.getsize(path) / 2**20:.1f} MiB, "
           f"nothing prepended, stop id {serve.STOP_ID} (byte 0xFF, in no UTF-8 text)")
     try:
-        llm = serve.llama(path)
+        serve.engine("llama_cpp")
     except ValueError as e:
         print(f"llama.cpp: not run here ({e})")
         return
     prompt = bpe.encode(PROMPT)
-    engine_report("llama.cpp", llm.tokenize(SAMPLE.encode(), add_bos=False) == bpe.encode(SAMPLE),
-                  serve.llama_greedy(llm, prompt, 100), cached_tokens(model, prompt, 100))
+    [(ids, _)] = run_engine("llama.cpp", serve.llama_tokenize, path, [SAMPLE])
+    [theirs], _ = run_engine("llama.cpp", serve.llama_greedy, path, prompt, 1, 100, torch.get_num_threads())
+    engine_report("llama.cpp", ids == bpe.encode(SAMPLE), theirs, cached_tokens(model, prompt, 100))
 
 
 def export_ct2(model, bpe, hf, tokenizer, path):
     """Write the CTranslate2 model through ctranslate2's converter classes; load it back and run it."""
     serve.write_ct2(hf, tokenizer, path)
     prompt = bpe.encode(PROMPT)
-    theirs = serve.ct2_greedy(serve.ct2_generator(path), tokenizer.convert_ids_to_tokens(prompt), 1, 100)[0]
+    [theirs], _ = run_engine("CTranslate2", serve.ct2_greedy, path, tokenizer.convert_ids_to_tokens(prompt), 1, 100,
+                             torch.get_num_threads())
     engine_report("CTranslate2, float32", None, theirs, cached_tokens(model, prompt, 100))
+
+
+def run_engine(name, fn, *args):
+    """An engine's self-check in a process of its own: a native crash there stops the export, in one line."""
+    try:
+        return serve.isolated(name, fn, *args)
+    except ChildProcessError as e:
+        raise ChildProcessError(f"{e}; nothing written") from None
 
 
 def cached_tokens(model, prompt, n_tokens):

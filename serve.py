@@ -8,6 +8,11 @@ alphabet) and hands it to each engine's own writer: the `gguf` package is
 llama.cpp's, and the CTranslate2 model goes through ctranslate2's GPT-NeoX
 loader. No engine is patched.
 
+Each engine runs in a process of its own (isolated): a native crash there
+(llama.cpp's AMX path segfaults on some Intel VMs, see llama_model_params)
+is then one error naming the engine and the signal, and an engine's thread
+pool never slows torch or another engine down for the rest of a process.
+
 BOS and EOS. Part 1's tokenizer has no special tokens, and llama.cpp, left
 without ids, takes id 11 (a vertical-tab byte) as both. Here nothing is
 prepended to a prompt, and the stop id is the byte 0xFF: ids 0-255 are raw
@@ -15,7 +20,12 @@ bytes, and 0xFF never occurs in UTF-8, so no text encodes to it and a model
 trained on text does not pick it.
 """
 import importlib
+import logging
+import multiprocessing
 import os
+import pickle
+import signal
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -102,41 +112,91 @@ def write_ct2(hf, tokenizer, out_dir):
     FolderConverter().convert(out_dir, quantization="float32")
 
 
-def llama(path, n_ctx=1024):
-    """llama.cpp (through llama-cpp-python) with the GGUF, on all of torch's CPU threads, quiet."""
-    import torch
+def isolated(name, fn, *args):
+    """fn(*args) in a fresh process of its own: an engine's native crash (a segfault, an abort) then ends
+    that process alone, and comes back here as one ChildProcessError naming the engine and the signal.
+
+    Each engine also brings its own thread pool; in a process of its own it cannot slow torch or
+    another engine down for the rest of this one. fn must be importable by name (a module's function)."""
+    context = multiprocessing.get_context("spawn")  # a clean interpreter: no forked locks or thread pools
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=send_result, args=(send, fn, args), daemon=True)
+    child.start()
+    send.close()
+    try:
+        failed, result = receive.recv()
+    except EOFError:  # the child died before it could answer
+        child.join()
+        code = child.exitcode
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        raise ChildProcessError(f"{name} crashed ({how}) in a process of its own")
+    finally:
+        receive.close()
+    child.join()
+    if failed:
+        raise result
+    return result
+
+
+def send_result(connection, fn, args):
+    try:
+        connection.send((False, fn(*args)))
+    except Exception as e:  # the engine's own error, raised again in the parent
+        connection.send((True, e if picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
+    finally:
+        connection.close()
+
+
+def picklable(value):
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:
+        return False
+
+
+def llama_model_params(llama_cpp):
+    """llama.cpp's default model parameters, without the weight repacking that crashes on AMX CPUs.
+
+    A llama.cpp built with Intel AMX repacks quantized (q8_0) weights into an AMX buffer, and decoding
+    from it segfaults on such VMs (ggml-org/llama.cpp#20824). Without AMX nothing this repo writes is
+    repacked on x86 (f32, f16 and q8_0 keep their layout), so repacking stays on everywhere else:
+    an Arm CPU repacks q8_0 for its int8 matrix instructions."""
+    params = llama_cpp.llama_model_default_params()
+    params.use_extra_bufts = not uses_amx(llama_cpp)
+    return params
+
+
+def uses_amx(llama_cpp):
+    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+
+
+def llama_tokenize(path, texts):
+    """(ids, decoded text) for each text through the GGUF's own tokenizer (its vocabulary only, no weights)."""
     llama_cpp = engine("llama_cpp")
-    return llama_cpp.Llama(os.fspath(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
-                           n_threads_batch=torch.get_num_threads(), verbose=False)
+    llm = llama_cpp.Llama(os.fspath(path), vocab_only=True, verbose=False)
+    return [(ids, llm.detokenize(ids).decode()) for ids in (llm.tokenize(t.encode(), add_bos=True) for t in texts)]
 
 
-def llama_greedy(llm, prompt, n_tokens):
-    """n_tokens greedy ids after the prompt ids, through llama.cpp's own sampler (temperature 0, no penalty)."""
-    out = []
-    for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
-        out.append(token)
-        if len(out) == n_tokens:
-            return out
-    return out
-
-
-def llama_greedy_batch(path, prompt, batch, n_tokens):
-    """batch greedy continuations of one prompt, decoded together through llama.cpp's batched C API.
+def llama_greedy(path, prompt, batch, n_tokens, threads, runs=1):
+    """batch greedy continuations of the prompt ids through llama.cpp's C API, and the seconds each of
+    `runs` generations took (the model loaded once, before the clock).
 
     The prompt is decoded once into KV cells every sequence shares (the prefill-and-clone
     trick), then each step decodes one token per sequence in one call."""
-    import torch
     llama_cpp = engine("llama_cpp")
-    model = llama_cpp.llama_model_load_from_file(os.fsencode(path), llama_cpp.llama_model_default_params())
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its load and context chatter; errors still show
+    model = llama_cpp.llama_model_load_from_file(os.fsencode(path), llama_model_params(llama_cpp))
+    if not model:
+        raise ValueError(f"llama.cpp could not load {os.fspath(path)!r}")
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = params.n_batch = len(prompt) + batch * n_tokens
     params.n_seq_max, params.kv_unified = batch, True
-    params.n_threads = params.n_threads_batch = torch.get_num_threads()
-    ctx = llama_cpp.llama_init_from_model(model, params)
-    tokens = llama_cpp.llama_batch_init(max(len(prompt), batch), 0, batch)
+    params.n_threads = params.n_threads_batch = threads
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    tokens = llama_cpp.llama_batch_init(max(len(prompt), batch), 0, batch)
 
-    def decode(rows):  # rows of (token, position, sequence ids, wants logits); the argmax of each wanted row
+    def decode(ctx, rows):  # rows of (token, position, sequence ids, wants logits); the argmax of each wanted row
         tokens.n_tokens = len(rows)
         for i, (token, pos, seqs, logits) in enumerate(rows):
             tokens.token[i], tokens.pos[i], tokens.n_seq_id[i], tokens.logits[i] = token, pos, len(seqs), logits
@@ -146,27 +206,38 @@ def llama_greedy_batch(path, prompt, batch, n_tokens):
             raise RuntimeError("llama.cpp could not decode a batch")
         wanted = sum(logits for *_, logits in rows)
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(wanted, n_vocab)).argmax(-1)
+
+    def generate():
+        ctx = llama_cpp.llama_init_from_model(model, params)
+        try:
+            every = list(range(batch))
+            out = [decode(ctx, [(t, p, every, p == len(prompt) - 1) for p, t in enumerate(prompt)]).repeat(batch)]
+            for pos in range(len(prompt), len(prompt) + n_tokens - 1):
+                out.append(decode(ctx, [(int(out[-1][s]), pos, [s], True) for s in every]))
+            return np.stack(out, axis=1).tolist()
+        finally:
+            llama_cpp.llama_free(ctx)
     try:
-        every = list(range(batch))
-        out = [decode([(t, p, every, p == len(prompt) - 1) for p, t in enumerate(prompt)]).repeat(batch)]
-        for pos in range(len(prompt), len(prompt) + n_tokens - 1):
-            out.append(decode([(int(out[-1][s]), pos, [s], True) for s in every]))
-        return np.stack(out, axis=1).tolist()
+        seconds = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            rows = generate()
+            seconds.append(time.perf_counter() - started)
+        return rows, seconds
     finally:
         llama_cpp.llama_batch_free(tokens)
-        llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
 
 
-def ct2_generator(path):
-    import torch
+def ct2_greedy(path, tokens, batch, n_tokens, threads, runs=1):
+    """batch greedy continuations of one prompt (token strings) through CTranslate2, as ids, and the
+    seconds each of `runs` generations took (the model loaded once, before the clock)."""
     ctranslate2 = engine("ctranslate2")
-    return ctranslate2.Generator(str(path), device="cpu", compute_type="float32",
-                                 intra_threads=torch.get_num_threads())
-
-
-def ct2_greedy(generator, tokens, batch, n_tokens):
-    """batch greedy continuations of one prompt (token strings), as ids."""
-    results = generator.generate_batch([tokens] * batch, max_length=n_tokens, min_length=n_tokens,
-                                       sampling_topk=1, include_prompt_in_result=False)
-    return [r.sequences_ids[0] for r in results]
+    generator = ctranslate2.Generator(os.fspath(path), device="cpu", compute_type="float32", intra_threads=threads)
+    seconds = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        results = generator.generate_batch([tokens] * batch, max_length=n_tokens, min_length=n_tokens,
+                                           sampling_topk=1, include_prompt_in_result=False)
+        seconds.append(time.perf_counter() - started)
+    return [r.sequences_ids[0] for r in results], seconds

@@ -293,8 +293,7 @@ def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused(tmp_path):
 def test_a_huge_config_in_a_tiny_file_is_one_line_from_a_script_before_anything_is_built(tmp_path):
     torch.save({"model": {}, "config": dict(PART3_CONFIG, d_model=65536), "step": 0}, tmp_path / "huge.pt")
     assert (tmp_path / "huge.pt").stat().st_size < 2000
-    run = subprocess.run([sys.executable, "cached.py", str(tmp_path / "huge.pt")], capture_output=True, text=True,
-                         timeout=60)
+    run = subprocess.run([sys.executable, "cached.py", str(tmp_path / "huge.pt")], capture_output=True, text=True)
     assert run.returncode == 1 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert "the model its config describes" in run.stderr
 

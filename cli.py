@@ -210,6 +210,17 @@ def appeared(path):
             "(pass --force to replace it, or give another name)")
 
 
+WRITE_FAILURES = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def write_failure(error):
+    """Why a write failed, where `error` says: a full disk, ulimit -f or a quota; else None. Writers
+    in Rust or C++ (safetensors, ctranslate2) pass the system's reason on only as text."""
+    if isinstance(error, OSError) and error.errno in WRITE_FAILURES:
+        return error.strerror
+    return next((os.strerror(code) for code in WRITE_FAILURES if os.strerror(code) in str(error)), None)
+
+
 class WriteFailures(io.FileIO):
     """A file that keeps the OSError a write raised, for writers that swallow it (torch.save's is
     a RuntimeError about a position)."""

@@ -367,7 +367,7 @@ def main():
     if "6" in tables:
         table_peers(model, engines, device, sizes, args.runs, report.setdefault("peers", []))
     if args.json is not None:
-        with atomic_write(args.json, "w") as f:
+        with atomic_write(args.json, "w", force=args.force) as f:
             json.dump(report, f, indent=1)
         print(f"\nwrote {args.json}")
 

@@ -118,9 +118,10 @@ class BPE:
                                  f"a real tokenizer's tokens are far shorter than {MAX_TOKEN_BYTES:,}")
         return cls(data["merges"])
 
-    def save(self, path):
-        """Part 1's format, through a temporary file and a rename: a cut write leaves the old file whole."""
-        with atomic_write(path, "w", encoding="utf-8") as f:
+    def save(self, path, force=False):
+        """Part 1's format, through a temporary file and a rename: a cut write leaves the old file whole,
+        and an existing file is replaced only with force."""
+        with atomic_write(path, "w", force=force, encoding="utf-8") as f:
             json.dump({"merges": [list(m) for m in self.merges]}, f)
 
     def _merge_all(self, ids):
@@ -245,7 +246,7 @@ def main():
     text = read_corpus(args.corpus)
     if not text:
         raise ValueError(f"corpus {args.corpus} is empty; give a text to train on")
-    check_output(args.out, args.force)
+    check_output(args.out, args.force, inputs=[args.corpus])
 
     t0 = time.time()
     bpe = BPE.train(text, args.vocab, progress=True)
@@ -259,7 +260,7 @@ def main():
     t_encode = time.time() - t0
     if bpe.decode(ids) != text:
         raise ValueError("round trip failed: decode(encode(corpus)) differs from the corpus")
-    bpe.save(args.out)
+    bpe.save(args.out, args.force)
     n_bytes = len(text.encode("utf-8"))
     print(f"trained {bpe.vocab_size:,} tokens in {t_train:.1f}s; wrote {args.out}")
     print(f"encoded {n_bytes:,} bytes into {len(ids):,} tokens in {t_encode:.1f}s "

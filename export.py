@@ -36,6 +36,7 @@ written too when given. --force replaces a previous export only.
 build the broken folder in a temporary directory, report how far the logits
 move and where greedy text parts, and keep nothing.
 """
+import errno
 import json
 import os
 import shutil
@@ -49,7 +50,7 @@ from transformers.utils import logging
 
 from cached import first_difference, load_pair
 import serve
-from cli import Parser, atomic_write, check_output, run_cli
+from cli import Parser, appeared, atomic_write, check_output, place, run_cli, shown, write_failure
 
 SAMPLE = ("To Sherlock Holmes she is always the woman. \"You have been in Afghanistan, I perceive,\" "
           "said he. It's a capital mistake to theorize before one has data.\n\n    Café, naïve, 1895!")
@@ -150,7 +151,7 @@ def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0):
     config_path = os.path.join(path, "tokenizer_config.json")
     with open(config_path) as f:
         config = json.load(f) | {"tokenizer_class": "PreTrainedTokenizerFast"}
-    with atomic_write(config_path, "w") as f:
+    with atomic_write(config_path, "w", force=True) as f:
         json.dump(config, f, indent=2)
 
 
@@ -183,41 +184,58 @@ def listing(names, shown=4):
     return ", ".join(names[:shown]) + more
 
 
+def not_an_export(path, export_files):
+    """What in the folder `path` no export writes: the names --force must not remove."""
+    return [n for n in sorted(os.listdir(path)) if n not in export_files or not os.path.isfile(os.path.join(path, n))]
+
+
 def check_out_dir(path, force, export_files, inputs, flag):
     """Before any work: `path` can be written, and --force replaces only a previous export there.
 
     A previous export holds nothing but the files an export writes (export_files); a folder with
-    anything else, or one holding this export's own inputs, is refused whatever the flags."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{path} exists and is not a folder; give another {flag}")
+    anything else, the working folder or one holding it, or one holding this export's own inputs,
+    is refused whatever the flags. A link counts as existing (it is replaced, never written through)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"{shown(path)} exists and is not a folder; give another {flag}")
+    if inside(os.getcwd(), path):
+        raise ValueError(f"{flag} {shown(path)} is the working folder or holds it, which an export never "
+                         "replaces; give a new folder's name")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ValueError(f"cannot write {path}: the folder {parent} does not exist")
+        raise ValueError(f"cannot write {shown(path)}: the folder {shown(parent)} does not exist")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
     except OSError as e:
-        raise OSError(f"cannot write {path}: the folder {parent} is not writable ({e.strerror})") from None
-    held = sorted(os.listdir(path)) if os.path.isdir(path) else []
-    if held and not force:
-        raise ValueError(f"{path} exists and is not empty; pass --force to replace a previous export there")
-    others = [n for n in held if n not in export_files or not os.path.isfile(os.path.join(path, n))]
+        raise OSError(f"cannot write {shown(path)}: the folder {shown(parent)} is not writable ({e.strerror})") \
+            from None
+    if not os.path.lexists(path):
+        return
+    if (os.listdir(path) or os.path.islink(path)) and not force:
+        raise ValueError(f"{shown(path)} exists and is not empty; pass --force to replace a previous export there")
+    others = not_an_export(path, export_files)
     if others:
-        raise ValueError(f"--force replaces only a previous export, and {path} also holds {listing(others)}, "
-                         f"which it would remove; give another {flag}")
+        raise ValueError(f"--force replaces only a previous export, and {shown(path)} also holds "
+                         f"{listing(others)}, which it would remove; give another {flag}")
     used = [p for p in inputs if inside(p, path)]
     if used:
-        raise ValueError(f"{path} holds {used[0]}, which this export reads; give another {flag}")
+        raise ValueError(f"{shown(path)} holds {shown(used[0])}, which this export reads; give another {flag}")
 
 
-def check_out_file(path, force, inputs):
-    check_output(path, force, "--force")
-    used = [p for p in inputs if os.path.exists(path) and os.path.samefile(p, path)]
-    if used:
-        raise ValueError(f"--gguf {path} is {used[0]}, which this export reads; give another file name")
+def check_apart(outputs, folders):
+    """No output inside an output folder: moving the folder into place would remove it."""
+    for folder in folders:
+        held = [p for p in outputs if p != folder and inside(p, folder)]
+        if held:
+            raise ValueError(f"{shown(held[0])} is inside {shown(folder)}, which the export replaces whole; "
+                             "give outputs that do not nest")
 
 
-def put_in_place(built, path):
-    """Move a finished file or folder into place; an old one is replaced whole, never mixed."""
+def put_in_place(built, path, force, export_files):
+    """Move a finished file or folder into place, judging what stands there at that moment.
+
+    Without force nothing is replaced (a folder is renamed onto nothing or an empty folder only).
+    With force, a folder is swapped with the previous export: the old one is moved aside, checked
+    again, and removed; on any failure it goes back, and no .old-* folder is left."""
     umask = os.umask(0)
     os.umask(umask)
     # temporary folders and safetensors files are private; the export is not
@@ -225,14 +243,35 @@ def put_in_place(built, path):
         os.chmod(os.path.join(built, name), 0o666 & ~umask)
     os.chmod(built, (0o777 if os.path.isdir(built) else 0o666) & ~umask)
     if not os.path.isdir(built):
-        os.replace(built, path)
+        place(built, path, force)
         return
-    old = None
-    if os.path.exists(path):
-        old = tempfile.mkdtemp(prefix=".old-", dir=os.path.dirname(os.path.abspath(path)))
-        os.rename(path, os.path.join(old, "out"))
-    os.rename(built, path)
-    if old:
+    if not force:
+        try:
+            os.rename(built, path)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise
+            raise FileExistsError(appeared(path)) from None
+        return
+    old = tempfile.mkdtemp(prefix=".old-", dir=os.path.dirname(os.path.abspath(path)))
+    aside = os.path.join(old, "out")
+    try:
+        try:
+            if os.path.lexists(path):
+                os.rename(path, aside)
+            if os.path.lexists(aside) and not os.path.isdir(aside):
+                raise ValueError(f"{shown(path)} is no longer a folder; it is left as it was and nothing was "
+                                 "written there")
+            others = not_an_export(aside, export_files) if os.path.lexists(aside) else []
+            if others:
+                raise ValueError(f"{shown(path)} now holds {listing(others)}, which --force would remove; "
+                                 "it is left as it was and nothing was written there")
+            os.rename(built, path)
+        except BaseException:
+            if os.path.lexists(aside):
+                os.rename(aside, path)
+            raise
+    finally:
         shutil.rmtree(old)
 
 
@@ -339,13 +378,14 @@ def main():
     if not args.broken:
         if len({os.path.abspath(p) for p in outputs}) < len(outputs):
             raise ValueError("OUT_DIR, --gguf and --ct2 name the same path; give each its own")
+        check_apart(outputs, [p for p in (out_dir, args.ct2) if p])
         inputs = [p for p in (args.checkpoint, args.tokenizer) if os.path.exists(p)]
         if out_dir:
             check_out_dir(out_dir, args.force, HF_FILES, inputs, "OUT_DIR")
         if args.ct2:
             check_out_dir(args.ct2, args.force, serve.CT2_FILES, inputs, "--ct2 DIR")
         if args.gguf:
-            check_out_file(args.gguf, args.force, inputs)
+            check_output(args.gguf, args.force, inputs=inputs)
     for wanted, module in ((args.gguf, "gguf"), (args.ct2, "ctranslate2")):
         if wanted:
             serve.engine(module)
@@ -373,8 +413,13 @@ def main():
         if out_dir:
             built[out_dir] = folder
         for path, result in built.items():
-            put_in_place(result, path)
+            put_in_place(result, path, args.force, serve.CT2_FILES if path == args.ct2 else HF_FILES)
             print(f"wrote {path}")
+    except Exception as e:
+        if write_failure(e) is None:
+            raise
+        raise OSError(f"cannot write {listing([shown(p) for p in outputs])}: {write_failure(e)}; "
+                      "nothing was written there") from None
     finally:
         for work in works:
             shutil.rmtree(work)

@@ -330,13 +330,14 @@ def part3_config(cfg):
     return d | ({"n_kv_heads": cfg.n_kv_heads} if cfg.n_kv_heads != cfg.n_heads else {})
 
 
-def save_checkpoint(model, path, step, tokenizer=None):
+def save_checkpoint(model, path, step, tokenizer=None, force=False):
     """Part 3's checkpoint format, through a new temporary file and a rename, so a cut run leaves no half file.
 
     tokenizer: what bpe.BPE.record() says of the tokenizer it was trained with; kept beside
-    the config, not in it, so Part 3's loader still reads the file."""
+    the config, not in it, so Part 3's loader still reads the file. An existing file at `path` is
+    replaced only with force."""
     ckpt = {"model": model.state_dict(), "config": part3_config(model.cfg), "step": step}
-    with atomic_write(path) as f:
+    with atomic_write(path, force=force) as f:
         torch.save(ckpt | ({"tokenizer": tokenizer} if tokenizer else {}), f)
 
 

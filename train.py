@@ -54,7 +54,7 @@ def load_ids(text, tokenizer, cache):
         return np.load(cache)
     t0 = time.time()
     ids = np.array(tokenizer.encode(text), dtype=np.uint16)
-    with atomic_write(cache) as f:
+    with atomic_write(cache, force=True) as f:  # what may stand there is the same ids, cached by another run
         np.save(f, ids)
     print(f"tokenized {len(text.encode()):,} bytes into {len(ids):,} tokens in {time.time() - t0:.1f}s",
           file=sys.stderr)
@@ -92,9 +92,9 @@ def evaluate(model, splits, context, n_batches, device, autocast):
     return means
 
 
-def write_csv(path, rows):
+def write_csv(path, rows, force):
     """The whole log, through a temporary file and a rename: a cut write leaves the old log whole."""
-    with atomic_write(path, "w", newline="") as f:
+    with atomic_write(path, "w", force=force, newline="") as f:
         csv.writer(f).writerows([["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"], *rows])
 
 
@@ -173,7 +173,8 @@ def main():
     if not os.path.basename(name):
         raise ValueError(f"--out {args.out!r} names no run; give a name like holmes or runs/holmes")
     for path in (f"{name}.pt", f"{name}.csv", f"{name}.resume.pt"):
-        check_output(path, args.force or args.resume, "--force (or --resume to go on from it)")
+        check_output(path, args.force or args.resume, "--force (or --resume to go on from it)",
+                     inputs=[args.corpus, args.tokenizer])
     use_bf16 = device.type == "cuda" or args.bf16
 
     def autocast():
@@ -213,6 +214,7 @@ def main():
     start, best_val, elapsed = 0, float("inf"), 0.0
 
     rows = []
+    replace = args.force or args.resume  # after the first evaluation, also the files this run wrote itself
     if resumed:
         state, rows = resumed
         try:
@@ -253,15 +255,16 @@ def main():
                 check_finite(val_loss, "the val loss", done)
                 total_time = elapsed + time.time() - t0
                 rows.append([done, f"{train_loss:.4f}", f"{val_loss:.4f}", f"{tok_s:.0f}", f"{total_time:.1f}"])
-                write_csv(f"{name}.csv", rows)
+                write_csv(f"{name}.csv", rows, replace)
                 if val_loss < best_val:
                     best_val = val_loss
-                    save_checkpoint(model, f"{name}.pt", done, tokenizer=record)
-                with atomic_write(f"{name}.resume.pt") as f:
+                    save_checkpoint(model, f"{name}.pt", done, tokenizer=record, force=replace)
+                with atomic_write(f"{name}.resume.pt", force=replace) as f:
                     torch.save({"run": run, "model": model.state_dict(), "optimizer": opt.state_dict(),
                                 "generator": gen.get_state(),
                                 **{key: rng.get_rng_state() for rng, key in random_states(device)},
                                 "step": done, "best_val": best_val, "elapsed": total_time}, f)
+                replace = True
                 log_line(f"step {done}: train {train_loss:.3f}  val {val_loss:.3f}  {tok_s:,.0f} tok/s  "
                          f"{total_time:.0f}s")
     finally:  # clears a drawn progress line, so that an error or the end line starts a line of its own

@@ -1,18 +1,31 @@
 """cli.py: nothing lost, nothing read forever, one line for every refusal, progress that suits its reader."""
+import errno
+import functools
 import hashlib
 import io
 import os
 import re
+import resource
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 
+import bench
+import bpe as bpe_module
 import cached
 import cli
+import test_train
+import train as train_module
+from bpe import BPE
 from cli import atomic_write, check_input, check_output, run_cli, show_progress
+from test_bpe import TEXT, assert_refused, run_main, shipped_unchanged  # noqa: F401
+from test_train import finished  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +53,7 @@ def test_atomic_write_replaces_a_link_at_the_target_instead_of_writing_through_i
     kept = tmp_path / "kept.txt"
     kept.write_text("keep me")
     (tmp_path / "out.txt").symlink_to(kept)
-    with atomic_write(tmp_path / "out.txt", "w") as f:
+    with atomic_write(tmp_path / "out.txt", "w", force=True) as f:
         f.write("new")
     assert kept.read_text() == "keep me" and not (tmp_path / "out.txt").is_symlink()
 
@@ -70,10 +83,28 @@ def test_a_finished_write_is_an_ordinary_file_not_a_private_one(tmp_path):
     (lambda d: d / "missing" / "x.pt", True, "the folder .*missing does not exist"),
     (lambda d: (d / "x.pt").write_bytes(b"mine") and d / "x.pt", False, "x.pt already exists; pass --force"),
     (lambda d: (d / "x.pt").symlink_to(d / "nowhere") or d / "x.pt", False, "x.pt already exists"),
+    (lambda d: "/dev/null", True, "/dev/null: it is not a regular file"),  # as root, replacing it is possible
 ])
 def test_outputs_are_checked_before_any_work(tmp_path, make, force, message):
     with pytest.raises(ValueError, match=message):
         check_output(make(tmp_path), force)
+
+
+def test_a_path_with_a_newline_is_quoted_so_the_message_stays_one_line(tmp_path):
+    odd = tmp_path / "x\n.pt"
+    odd.write_bytes(b"mine")
+    with pytest.raises(ValueError) as refused:
+        check_output(odd)
+    assert str(refused.value) == f"{str(odd)!r} already exists; pass --force to replace it"
+
+
+@pytest.mark.parametrize("links", ["hard links", "no hard links"])
+def test_a_write_without_force_lands_where_nothing_stands_and_leaves_nothing_else(tmp_path, monkeypatch, links):
+    if links == "no hard links":  # link(2) on FAT and some FUSE mounts: the name is taken with O_EXCL instead
+        monkeypatch.setattr(cli.os, "link", lambda *args, **kwargs: raise_(OSError(errno.EPERM, "not permitted")))
+    with atomic_write(tmp_path / "new.txt", "w") as f:
+        f.write("new")
+    assert (tmp_path / "new.txt").read_text() == "new" and os.listdir(tmp_path) == ["new.txt"]
 
 
 def test_an_unwritable_folder_is_found_by_trying_not_by_asking(tmp_path, monkeypatch):
@@ -188,3 +219,185 @@ def test_cached_py_logs_a_plain_progress_line_every_ten_seconds_at_most(monkeypa
     lines = log.getvalue().splitlines()
     assert lines and all(re.fullmatch(r"(un)?cached tokens: \d+/60, ETA \d+s", line) for line in lines)
     assert len(lines) <= (clock.now - started) / cli.LOG_EVERY and "\r" not in log.getvalue()
+
+
+# Nothing lost, for every script that writes a file: bpe.py, train.py, bench.py (export.py: tests/test_export.py)
+
+def state(path):
+    """What stands at `path`, to compare before and after: a link and where it points, a pipe, a file's bytes."""
+    if not os.path.lexists(path):
+        return None
+    if os.path.islink(path):
+        return "link", os.readlink(path), state(os.path.realpath(path)) if os.path.isfile(path) else None
+    if stat.S_ISFIFO(os.lstat(path).st_mode):
+        return "fifo"
+    if os.path.isdir(path):
+        return "folder", sorted(os.listdir(path))
+    return "file", sha(path)
+
+
+OUTPUT = {"bpe.py": "tok.json", "train.py": "run.pt", "bench.py": "bench.json"}
+
+
+def run_writer(script, tmp_path, *flags, monkeypatch, capsys, during=lambda: None, ids_from=None):
+    """`script` in-process in tmp_path, writing OUTPUT[script] there; `during` runs once its work has begun.
+    train.py takes its corpus's token ids from the run in `ids_from` (no "tokenized" line) when given."""
+    monkeypatch.chdir(tmp_path)
+    if script == "train.py":
+        if ids_from and not (tmp_path / "data").exists():
+            test_train.copy_run(ids_from, tmp_path, ["data"])
+        real_evaluate = train_module.evaluate
+        monkeypatch.setattr(train_module, "evaluate", lambda *args: (during(), real_evaluate(*args))[1])
+        return test_train.train(tmp_path, *test_train.TINY, *flags, monkeypatch=monkeypatch, capsys=capsys)
+    if script == "bpe.py":
+        (tmp_path / "corpus.txt").write_text(TEXT)
+        real_train = BPE.train
+        monkeypatch.setattr(BPE, "train", lambda *args, **kwargs: (during(), real_train(*args, **kwargs))[1])
+        argv, main = ["bpe.py", "corpus.txt", "--vocab", "300", "--out", "tok.json"], bpe_module.main
+    else:
+        monkeypatch.setattr(bench, "engine_forms", lambda model: {})  # table 1 needs no Engine
+        monkeypatch.setattr(bench, "table_memory", lambda device, out: during())
+        argv, main = ["bench.py", "cpu", "--tables", "1", "--json", "bench.json"], bench.main
+    return run_main(main, [*argv, *flags], monkeypatch, capsys)
+
+
+def no_temporary_files(tmp_path):
+    return not [name for _, _, names in os.walk(tmp_path) for name in names if ".tmp" in name or ".probe-" in name]
+
+
+NOT_FILES = {
+    "fifo": lambda path: os.mkfifo(path),
+    "link to /dev/null": lambda path: os.symlink("/dev/null", path),  # what bench.py --json /dev/null --force was
+    "link to a fifo": lambda path: (os.mkfifo(f"{path}.fifo"), os.symlink(f"{path}.fifo", path)),
+    "folder": lambda path: os.mkdir(path),
+}
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+@pytest.mark.parametrize("kind", NOT_FILES)
+@pytest.mark.parametrize("script", OUTPUT)
+def test_only_regular_files_are_ever_replaced_whatever_the_flags(script, kind, when, tmp_path, finished, monkeypatch,
+                                                                 capsys, shipped_unchanged):
+    target = tmp_path / OUTPUT[script]
+    make = functools.partial(NOT_FILES[kind], target)
+    if when == "before":
+        make()
+    before = {when: None} if when == "during" else {when: state(target)}
+    status, out, err = run_writer(script, tmp_path, "--force", monkeypatch=monkeypatch, capsys=capsys,
+                                  during=make if when == "during" else lambda: None, ids_from=finished)
+    assert_refused((status, out, err), "folder" if kind == "folder" else "is not a regular file")
+    assert "wrote" not in out and state(target) == (before[when] or state(target)) and no_temporary_files(tmp_path)
+    assert not os.path.isfile(target) or os.path.islink(target)
+
+
+APPEARING = {
+    "a file": lambda path: path.write_text("a user's own file"),
+    "a link to a file": lambda path: (path.with_suffix(".kept").write_text("kept"),
+                                      path.symlink_to(path.with_suffix(".kept"))),
+    "a dangling link": lambda path: path.symlink_to("nowhere"),
+}
+
+
+@pytest.mark.parametrize("links", ["hard links", "no hard links"])
+@pytest.mark.parametrize("kind", APPEARING)
+@pytest.mark.parametrize("script", OUTPUT)
+def test_what_appears_at_an_output_during_the_run_is_never_replaced_without_force(
+        script, kind, links, tmp_path, finished, monkeypatch, capsys, shipped_unchanged):
+    target = tmp_path / OUTPUT[script]
+    if links == "no hard links":  # link(2) on FAT and some FUSE mounts
+        monkeypatch.setattr(cli.os, "link", lambda *args, **kwargs: raise_(OSError(errno.EPERM, "not permitted")))
+    made = []
+    run = run_writer(script, tmp_path, monkeypatch=monkeypatch, capsys=capsys,
+                     during=lambda: (APPEARING[kind](target), made.append(state(target))), ids_from=finished)
+    assert_refused(run, f"{OUTPUT[script]} appeared while this ran and is left as it was")
+    assert state(target) == made[0] and no_temporary_files(tmp_path)
+
+
+def raise_(error):
+    raise error
+
+
+@pytest.mark.parametrize("script, args, victim", [
+    ("bpe.py", ["corpus.txt", "--out", "corpus.txt"], "corpus.txt"),
+    ("bpe.py", ["corpus.txt", "--out", "hard-link.txt"], "corpus.txt"),
+    ("bpe.py", ["corpus.txt", "--out", "link.txt"], "corpus.txt"),
+    ("train.py", ["--corpus", "run.csv", "--out", "run"], "run.csv"),  # a corpus named like the run's log
+    ("train.py", ["--corpus", "corpus.txt", "--tokenizer", "run.pt", "--out", "run"], "run.pt"),
+], ids=["bpe-corpus-as-out", "bpe-hard-link-to-corpus", "bpe-link-to-corpus", "train-corpus-as-log",
+        "train-tokenizer-as-checkpoint"])
+def test_force_never_overwrites_the_scripts_own_input(script, args, victim, tmp_path, monkeypatch, capsys,
+                                                      shipped_unchanged):
+    corpus = test_train.CORPUS if script == "train.py" else TEXT
+    (tmp_path / "corpus.txt").write_text(corpus)
+    shutil.copy(test_train.TOKENIZER, tmp_path / "run.pt")
+    (tmp_path / "run.csv").write_text(corpus)
+    os.link(tmp_path / "corpus.txt", tmp_path / "hard-link.txt")
+    (tmp_path / "link.txt").symlink_to("corpus.txt")
+    before = {name: state(tmp_path / name) for name in os.listdir(tmp_path)}
+    monkeypatch.chdir(tmp_path)
+    if script == "train.py":
+        test_train.small_and_fast(monkeypatch)
+        args = [*args, *test_train.TINY] + ([] if "--tokenizer" in args else ["--tokenizer", test_train.TOKENIZER])
+    main = train_module.main if script == "train.py" else bpe_module.main
+    run = run_main(main, [script, *args, "--force"], monkeypatch, capsys)
+    assert_refused(run, f"which this run reads; give another name")
+    assert victim in run[2]
+    assert {name: state(tmp_path / name) for name in before} == before and no_temporary_files(tmp_path)
+
+
+def file_size_limit(limit, undo):
+    """`ulimit -f` for the test's own process, from now until undo() puts it back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    undo.append(lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard)))
+
+
+def full_disk(monkeypatch):
+    """Every temporary file a write goes through is /dev/full: each write fails with ENOSPC."""
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args, **kwargs):
+        fd, path = real_mkstemp(*args, **kwargs)
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, fd)
+        os.close(full)
+        return fd, path
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+@pytest.mark.parametrize("script, victim, limit", [
+    ("bpe.py", "tok.json", "ulimit -f"),  # json.dump
+    ("bpe.py", "tok.json", "full disk"),
+    ("bench.py", "bench.json", "ulimit -f"),
+    ("bench.py", "bench.json", "full disk"),
+    ("train.py", "run.pt", "ulimit -f"),  # torch.save: the CSV log fits, the checkpoint does not
+    ("train.py", "run.csv", "full disk"),
+    ("train.py", "data", "ulimit -f"),  # np.save of the token ids
+], ids=lambda v: str(v))
+def test_a_full_disk_or_a_file_size_limit_is_one_line_and_leaves_the_old_file(
+        script, victim, limit, tmp_path, finished, monkeypatch, capsys, shipped_unchanged):
+    if not os.path.exists("/dev/full") and limit == "full disk":
+        pytest.skip("no /dev/full here")
+    if script == "train.py":
+        test_train.copy_run(finished, tmp_path, ["corpus.txt", *test_train.RUN_FILES] + (["data"] * (victim != "data")))
+    else:
+        (tmp_path / OUTPUT[script]).write_text('{"an": "earlier file"}')
+    before = {name: state(tmp_path / name) for name in os.listdir(tmp_path)}
+    undo = []
+    if limit == "full disk":
+        full_disk(monkeypatch)
+    elif victim == "data":  # tokenizing comes before the work run_writer can hook
+        file_size_limit(1000, undo)
+    fits = 10_000 if script == "train.py" else 100  # train.py: the CSV log fits, the checkpoint does not
+    try:
+        run = run_writer(script, tmp_path, "--force", monkeypatch=monkeypatch, capsys=capsys,
+                         during=lambda: limit == "ulimit -f" and not undo and file_size_limit(fits, undo))
+    finally:
+        for put_back in undo:
+            put_back()
+    assert_refused(run, f"error: cannot write {victim}")
+    if victim != "data":  # numpy's short write says only how many bytes it wrote
+        reason = "File too large" if limit == "ulimit -f" else "No space left on device"
+        assert f": {reason}; nothing was written there" in run[2]
+    # the old file is as it was; the id cache's folder is made, and left empty
+    assert no_temporary_files(tmp_path) and state(tmp_path / victim) == before.get(victim, ("folder", []))

@@ -1,6 +1,9 @@
 """export.py: the Hugging Face folder computes what model.py computes, and speaks bpe.py's ids; nothing is lost."""
+import errno
 import hashlib
 import json
+import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -178,13 +181,19 @@ NOTHING_LOST = {
     "the working folder as OUT_DIR": (["{w}/holmes.pt", "{w}", "--tokenizer", "{w}/tokenizer.json", "--force"],
                                       "also holds holmes.pt, mine, notes.py, old, which it would remove"),
     "a folder with other files": (["{w}/holmes.pt", "{w}/mine", "--tokenizer", "{w}/tokenizer.json", "--force"],
-                                  "also holds notes.txt, which it would remove"),
+                                  "also holds notes.txt, null, which it would remove"),
     "an export holding the tokenizer it reads": (["{w}/holmes.pt", "{w}/old", "--tokenizer", "{w}/old/tokenizer.json",
                                                   "--force"], "holds {w}/old/tokenizer.json, which this export reads"),
     "an existing OUT_DIR without --force": (["{w}/holmes.pt", "{w}/old", "--tokenizer", "{w}/tokenizer.json"],
                                             "exists and is not empty; pass --force"),
     "the checkpoint as --gguf": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf", "{w}/holmes.pt",
-                                  "--force"], "is {w}/holmes.pt, which this export reads"),
+                                  "--force"], "it is {w}/holmes.pt, which this run reads"),
+    "the tokenizer as --gguf": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf",
+                                 "{w}/tokenizer.json", "--force"], "it is {w}/tokenizer.json, which this run reads"),
+    "a device as --gguf": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf", "{w}/mine/null", "--force"],
+                           "it is not a regular file"),
+    "a device as OUT_DIR": (["{w}/holmes.pt", "{w}/mine/null", "--tokenizer", "{w}/tokenizer.json", "--force"],
+                            "null exists and is not a folder"),
     "a folder as --gguf": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf", "{w}/old", "--force"],
                            "it is a folder"),
     "an existing --gguf without --force": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf",
@@ -202,11 +211,114 @@ def test_nothing_is_lost_whatever_the_flags(case, tmp_path, monkeypatch):
     (work / "mine").mkdir()
     (work / "mine" / "notes.txt").write_text("keep me")
     a_previous_export(work / "old")
+    (work / "mine" / "null").symlink_to("/dev/null")
     before = sha256s(work)
     args, message = NOTHING_LOST[case]
     line = one_line_exit(monkeypatch, *(a.format(w=work) for a in args))
     assert message.format(w=work) in line and "Traceback" not in line
-    assert sha256s(work) == before
+    assert sha256s(work) == before and os.readlink(work / "mine" / "null") == "/dev/null"
+
+
+# (where the reader is, arguments, what the one line says); {w} is a reader's working folder
+NESTED = {
+    "--gguf inside OUT_DIR": (".", ["holmes.pt", "out", "--gguf", "out/model.gguf"], "out/model.gguf is inside out"),
+    "OUT_DIR inside --ct2": (".", ["holmes.pt", "ct2/hf", "--ct2", "ct2"], "ct2/hf is inside ct2"),
+    "--gguf inside --ct2": (".", ["holmes.pt", "--ct2", "ct2", "--gguf", "./ct2/x.gguf"], "./ct2/x.gguf is inside ct2"),
+    "OUT_DIR .": (".", ["holmes.pt", ".", "--force"], "OUT_DIR . is the working folder or holds it"),
+    "OUT_DIR the folder above": ("mine", ["../holmes.pt", "..", "--tokenizer", "../tokenizer.json", "--force"],
+                                 "OUT_DIR .. is the working folder or holds it"),
+    "--ct2 the working folder by name": ("mine", ["../holmes.pt", "--tokenizer", "../tokenizer.json", "--ct2",
+                                                 "{w}/mine"], "--ct2 DIR {w}/mine is the working folder or holds it"),
+}
+
+
+@pytest.mark.parametrize("case", NESTED)
+def test_outputs_never_nest_or_swallow_the_working_folder(case, tmp_path, monkeypatch):
+    work = a_working_folder(tmp_path)
+    (work / "mine").mkdir()
+    (work / "mine" / "notes.txt").write_text("keep me")
+    before = sha256s(work)
+    where, args, message = NESTED[case]
+    monkeypatch.chdir(work / where)
+    line = one_line_exit(monkeypatch, *(a.format(w=work) for a in args))
+    assert message.format(w=work) in line and "Traceback" not in line
+    assert sha256s(work) == before and sorted(p.name for p in work.iterdir()) == ["holmes.pt", "mine", "notes.py",
+                                                                                    "tokenizer.json"]
+
+
+def swap_failure(tmp_path, monkeypatch, how):
+    """Make put_in_place fail, as `how` says, once the previous export in tmp_path/out has been moved aside."""
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if os.path.basename(dst) == "out" and ".old-" in str(dst):  # the previous export just went aside
+            real_rename(src, dst)
+            if how == "a file added to it":
+                (Path(dst) / "notes.txt").write_text("a reader's notes")
+            elif how == "interrupted":
+                raise KeyboardInterrupt
+            return
+        if how == "the second rename fails" and src == str(tmp_path / "built"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_rename(src, dst)
+    monkeypatch.setattr(export.os, "rename", rename)
+
+
+@pytest.mark.parametrize("how, error, message", [
+    ("the second rename fails", OSError, "Invalid cross-device link"),
+    ("interrupted", KeyboardInterrupt, None),
+    ("a file added to it", ValueError, "now holds notes.txt, which --force would remove"),
+])
+def test_a_forced_swap_that_fails_puts_the_previous_export_back_and_leaves_no_old_folder(
+        how, error, message, tmp_path, monkeypatch):
+    a_previous_export(tmp_path / "out")
+    (tmp_path / "built").mkdir()
+    (tmp_path / "built" / "config.json").write_text("the new export")
+    swap_failure(tmp_path, monkeypatch, how)
+    before = sha256s(tmp_path / "out")
+    with pytest.raises(error, match=message):
+        export.put_in_place(str(tmp_path / "built"), str(tmp_path / "out"), True, export.HF_FILES)
+    if how == "a file added to it":
+        os.remove(tmp_path / "out" / "notes.txt")
+    assert sha256s(tmp_path / "out") == before and sorted(p.name for p in tmp_path.iterdir()) == ["built", "out"]
+
+
+def test_two_exports_into_one_folder_the_second_is_refused_and_the_first_kept(tmp_path, monkeypatch):
+    first = a_previous_export(tmp_path / "first")
+    real_report = export.report
+
+    def another_export_finishes_meanwhile(*args):
+        shutil.copytree(first, tmp_path / "out")
+        return real_report(*args)
+    monkeypatch.setattr(export, "report", another_export_finishes_meanwhile)
+    line = one_line_exit(monkeypatch, "holmes.pt", tmp_path / "out")
+    assert line == f"export.py: error: {tmp_path / 'out'} appeared while this ran and is left as it was; nothing " \
+                   "was written there (pass --force to replace it, or give another name)"
+    assert sha256s(tmp_path / "out") == {tmp_path / "out" / p.relative_to(first): h for p, h in sha256s(first).items()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "out"]
+
+
+@pytest.mark.parametrize("output", ["OUT_DIR", "--gguf"])
+def test_a_file_size_limit_while_exporting_is_one_line_and_leaves_the_previous_export(output, tmp_path, monkeypatch):
+    a_previous_export(tmp_path / "out")
+    (tmp_path / "model.gguf").write_bytes(b"an earlier GGUF")
+    before = sha256s(tmp_path)
+    limits, real_write_folder = resource.getrlimit(resource.RLIMIT_FSIZE), export.write_folder
+    writer = "write_folder" if output == "OUT_DIR" else "neox_state_dict"  # what comes right before each write
+
+    def limited(*args, **kwargs):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, limits[1]))
+        return real(*args, **kwargs)
+    real = getattr(export, writer)
+    monkeypatch.setattr(export, writer, limited)
+    args = [tmp_path / "out"] if output == "OUT_DIR" else ["--gguf", tmp_path / "model.gguf"]
+    try:
+        line = one_line_exit(monkeypatch, "holmes.pt", *args, "--force")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert line.startswith("export.py: error: cannot write ") and line.endswith(": File too large; nothing was "
+                                                                                "written there")
+    assert sha256s(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "out"]
 
 
 def test_force_replaces_a_previous_export_whole(tmp_path):

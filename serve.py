@@ -20,7 +20,6 @@ bytes, and 0xFF never occurs in UTF-8, so no text encodes to it and a model
 trained on text does not pick it.
 """
 import importlib
-import logging
 import multiprocessing
 import os
 import pickle
@@ -185,7 +184,6 @@ def llama_greedy(path, prompt, batch, n_tokens, threads, runs=1):
     The prompt is decoded once into KV cells every sequence shares (the prefill-and-clone
     trick), then each step decodes one token per sequence in one call."""
     llama_cpp = engine("llama_cpp")
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its load and context chatter; errors still show
     model = llama_cpp.llama_model_load_from_file(os.fsencode(path), llama_model_params(llama_cpp))
     if not model:
         raise ValueError(f"llama.cpp could not load {os.fspath(path)!r}")

@@ -117,6 +117,21 @@ def test_model_py_prints_the_budget():
     assert "5,781,504" in run.stdout
 
 
+def test_model_py_help_prints_help_without_the_self_check_and_an_unknown_flag_is_one_line(monkeypatch, capsys):
+    import model
+    monkeypatch.setattr(sys, "argv", ["model.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        model.main()
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: model.py") and "5,781,504" not in out
+    monkeypatch.setattr(sys, "argv", ["model.py", "--stpes", "3"])
+    with pytest.raises(SystemExit) as done:
+        model.main()
+    assert done.value.code == "model.py: error: unrecognized arguments: --stpes 3 (see --help)"
+    assert capsys.readouterr().out == ""
+
+
 def test_generate_reruns_the_last_context_tokens_for_every_new_token():
     cfg = dict(PART3_CONFIG, context=8, n_layers=2, d_model=64, vocab_size=300)
     sd = part3_state_dict(cfg)

@@ -16,6 +16,21 @@ def test_self_check_runs_from_the_command_line():
     assert "self-check passed" in run.stdout
 
 
+def test_help_prints_help_without_the_self_check_and_an_unknown_flag_is_one_line(monkeypatch, capsys):
+    import sampling
+    monkeypatch.setattr(sys, "argv", ["sampling.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        sampling.main()
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: sampling.py") and "self-check passed" not in out
+    monkeypatch.setattr(sys, "argv", ["sampling.py", "--seed", "3"])
+    with pytest.raises(SystemExit) as done:
+        sampling.main()
+    assert done.value.code == "sampling.py: error: unrecognized arguments: --seed 3 (see --help)"
+    assert capsys.readouterr().out == ""
+
+
 def test_greedy_settings_give_the_argmax_for_every_row():
     scores = torch.randn(32, 4096, generator=G().manual_seed(3))
     best = scores.argmax(-1)

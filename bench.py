@@ -32,7 +32,7 @@ import torch
 
 from cached import CachedGPT, first_difference, load
 from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
-from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, choose, sync
+from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, check_compiler, choose, sync
 from model import Config, Linear, linear_kernel
 from prefill_clone import Engine, clone_prompt, prompt_per_row, run_prompt, timed_generation
 
@@ -325,6 +325,8 @@ def main():
         raise ValueError(f"--runs must be at least 3 (figures are medians), got {args.runs}")
     if args.json is not None:
         check_output(args.json, args.force)
+    if tables & set("346"):  # each times the compiled decode step
+        check_compiler(device, "or run only --tables 1,2,5")
     sizes = QUICK if args.quick else FULL
     if args.tokens:
         if min(args.tokens) < 8:

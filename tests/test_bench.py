@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+from kernels import compiler_missing
+
 
 
 def positive_numbers(node, path="report"):
@@ -20,6 +22,7 @@ def positive_numbers(node, path="report"):
         yield path, node
 
 
+@pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--tokens", "8", "--json", str(out)],

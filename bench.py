@@ -258,48 +258,72 @@ def table_cuda(model, device, sizes, runs, out):
             raise SystemExit("bench.py: error: CUDA-graph replay gave other tokens than the eager path")
 
 
-def table_peers(model, engines, device, sizes, runs, out):
-    """The same weights through the serving engines installed, side by side with the Engine's forms, greedy."""
+# table 6's serving engines: the modules each needs, and the requirements file that installs them
+PEERS = {"transformers": (("transformers",), "requirements.txt"),
+         "ctranslate2": (("ctranslate2",), "requirements-serve.txt"),
+         "llama_cpp": (("gguf", "llama_cpp"), "requirements-serve.txt")}
+
+
+def missing_peers(device):
+    """{peer: why it cannot run here}, for each serving engine of table 6 that cannot."""
     import importlib.util
-    import os
+    missing = {}
+    for name, (modules, requirements) in PEERS.items():
+        if not all(importlib.util.find_spec(m) for m in modules):
+            missing[name] = f"not installed (pip install -r {requirements})"
+        elif name != "transformers" and "transformers" in missing:  # the model reaches them through export.py
+            missing[name] = "needs transformers to export the model (pip install -r requirements.txt)"
+        elif name != "transformers" and device.type != "cpu":
+            missing[name] = "run on the CPU only here"
+    return missing
+
+
+def table_peers(model, engines, device, sizes, runs, out):
+    """The same weights through the serving engines installed, side by side with the Engine's forms, greedy;
+    an engine that cannot run here keeps its column, shown as -, and a line says why."""
     import tempfile
 
-    import export
-    import serve
     from bpe import BPE
     n = min(256, max(sizes["lengths"]))
     print(f"\n6. the same weights through the serving engines: greedy tok/s, {n} tokens (median); "
           "the Engine's three forms as in table 4")
+    missing = missing_peers(device)
+    for name, why in missing.items():
+        print(f"   {name}: {why}")
     bpe = BPE.load("tokenizer.json")
     prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+    peers = {name: lambda b, e=engine: e.generate_batch(prompt, b, max_tokens=n, temperature=0)
+             for name, engine in engines.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        export.write_folder(model, bpe, os.path.join(tmp, "hf"))
-        hf, tokenizer = export.load_folder(os.path.join(tmp, "hf"))
-        hf = hf.to(device)
-        peers = {name: lambda b, e=engine: e.generate_batch(prompt, b, max_tokens=n, temperature=0)
-                 for name, engine in engines.items()}
-        peers["transformers"] = lambda b: hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
-                                                      min_new_tokens=n, do_sample=False, pad_token_id=0)
-        if device.type == "cpu" and importlib.util.find_spec("ctranslate2"):
+        if "transformers" not in missing:
+            import export
+            import serve
+            export.write_folder(model, bpe, os.path.join(tmp, "hf"))
+            hf, tokenizer = export.load_folder(os.path.join(tmp, "hf"))
+            hf = hf.to(device)
+            peers["transformers"] = lambda b: hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
+                                                          min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if "ctranslate2" not in missing:
             serve.write_ct2(hf, tokenizer, os.path.join(tmp, "ct2"))
             generator, tokens = serve.ct2_generator(os.path.join(tmp, "ct2")), tokenizer.convert_ids_to_tokens(prompt)
             peers["ctranslate2"] = lambda b: serve.ct2_greedy(generator, tokens, b, n)
-        if device.type == "cpu" and importlib.util.find_spec("gguf") and importlib.util.find_spec("llama_cpp"):
+        if "llama_cpp" not in missing:
             gguf = os.path.join(tmp, "model.gguf")
             serve.write_gguf(gguf, model.cfg, export.neox_state_dict(model), *export.spelled_vocabulary(bpe))
             llm = serve.llama(gguf)
             peers["llama_cpp"] = lambda b: (serve.llama_greedy(llm, prompt, n) if b == 1
                                             else serve.llama_greedy_batch(gguf, prompt, b, n))
-        versus = "llama_cpp" if "llama_cpp" in peers else "transformers"
-        print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in peers) + f" {'compiled/' + versus:>22}")
+        columns = [*engines, *PEERS]
+        print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in columns) + f" {'compiled/llama_cpp':>22}")
         for batch in sizes["batches"]:
             row = {"batch": batch, "tokens": n}
             timed = measure({name: lambda run=run: run(batch) for name, run in peers.items()}, runs, device,
                             label=f"batch {batch}:")
             row.update({name: batch * n / t for name, (t, _) in timed.items()})
             out.append(row)
-            print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" for name in peers)
-                  + f" {row['engine_compiled'] / row[versus]:>21.2f}x", flush=True)
+            ratio = f"{row['engine_compiled'] / row['llama_cpp']:>21.2f}x" if "llama_cpp" in row else f"{'-':>22}"
+            print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" if name in row else f"{'-':>15}" for name in columns)
+                  + f" {ratio}", flush=True)
 
 
 def main():

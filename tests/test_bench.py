@@ -81,3 +81,28 @@ def test_an_existing_json_is_kept_unless_forced_and_a_missing_folder_fails_at_on
     missing = tmp_path / "no" / "bench.json"
     run = subprocess.run([sys.executable, "bench.py", "cpu", "--json", str(missing)], capture_output=True, text=True)
     assert run.returncode == 1 and "does not exist" in run.stderr and run.stdout == ""
+
+
+def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypatch, capsys):
+    import importlib.util
+
+    import bench
+    from cached import CachedGPT
+    from model import Config
+    from prefill_clone import Engine
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("gguf", "llama_cpp") or (
+        name == "transformers") else real(name, *a))
+    model = CachedGPT(Config(d_model=64, n_heads=4, n_layers=2, context=32)).eval()
+    engines = {"engine": Engine(model), "engine_compiled": Engine(model), "engine_bf16": Engine(model)}  # no compile
+    out = []
+    bench.table_peers(model, engines, torch.device("cpu"), {"lengths": (8,), "batches": (1,)}, 3, out)
+    lines = capsys.readouterr().out.splitlines()
+    assert "   transformers: not installed (pip install -r requirements.txt)" in lines
+    assert any(line.startswith("   ctranslate2: ") for line in lines)
+    assert "   llama_cpp: not installed (pip install -r requirements-serve.txt)" in lines
+    header, row = lines[-2].split(), lines[-1].split()
+    assert header == ["batch", "engine", "engine_compiled", "engine_bf16", "transformers", "ctranslate2", "llama_cpp",
+                      "compiled/llama_cpp"]
+    assert row[0] == "1" and row[4:] == ["-", "-", "-", "-"] and len(row) == len(header)
+    assert set(out[0]) == {"batch", "tokens", "engine", "engine_compiled", "engine_bf16"}

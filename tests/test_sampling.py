@@ -5,7 +5,9 @@ import sys
 import pytest
 import torch
 
+import sampling
 from sampling import pick, picker
+from test_bpe import assert_refused, run_main
 
 G = torch.Generator
 
@@ -17,18 +19,10 @@ def test_self_check_runs_from_the_command_line():
 
 
 def test_help_prints_help_without_the_self_check_and_an_unknown_flag_is_one_line(monkeypatch, capsys):
-    import sampling
-    monkeypatch.setattr(sys, "argv", ["sampling.py", "--help"])
-    with pytest.raises(SystemExit) as done:
-        sampling.main()
-    assert done.value.code == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: sampling.py") and "self-check passed" not in out
-    monkeypatch.setattr(sys, "argv", ["sampling.py", "--seed", "3"])
-    with pytest.raises(SystemExit) as done:
-        sampling.main()
-    assert done.value.code == "sampling.py: error: unrecognized arguments: --seed 3 (see --help)"
-    assert capsys.readouterr().out == ""
+    status, out, _ = run_main(sampling.main, ["sampling.py", "--help"], monkeypatch, capsys)
+    assert status == 0 and out.startswith("usage: sampling.py") and "self-check passed" not in out
+    assert_refused(run_main(sampling.main, ["sampling.py", "--seed", "3"], monkeypatch, capsys),
+                   "sampling.py: error: unrecognized arguments: --seed 3 (see --help)")
 
 
 def test_greedy_settings_give_the_argmax_for_every_row():

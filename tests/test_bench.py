@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import bench
 from kernels import compiler_missing
 
 
@@ -49,8 +50,9 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     assert drift["weights"] == "holmes.pt" and drift["tokens"] == 16 and 0 < drift["max_logit_difference"] < 1
     assert drift["first_difference"] is None or 0 <= drift["first_difference"] < 16
     assert report["cuda"]["skipped"].startswith("skipped: needs a CUDA device")
-    forms = {"engine", "engine_compiled", "engine_bf16", "transformers"}  # the engines beside them when installed
-    assert [r["batch"] for r in report["peers"]] == [1, 4] and all(forms <= set(r) for r in report["peers"])
+    installed = set(bench.PEERS) - set(bench.missing_peers(torch.device("cpu")))  # the serving engines here
+    columns = {"batch", "tokens", "engine", "engine_compiled", "engine_bf16", *installed}
+    assert [r["batch"] for r in report["peers"]] == [1, 4] and all(set(r) == columns for r in report["peers"])
     numbers = dict(positive_numbers({k: report[k] for k in ("decode", "memory", "prefill_clone", "kernels", "peers")}))
     assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers
     assert "5. CUDA" in run.stdout and "skipped" in run.stdout
@@ -86,7 +88,6 @@ def test_an_existing_json_is_kept_unless_forced_and_a_missing_folder_fails_at_on
 def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypatch, capsys):
     import importlib.util
 
-    import bench
     from cached import CachedGPT
     from model import Config
     from prefill_clone import Engine

@@ -32,7 +32,7 @@ import torch
 
 from cached import CachedGPT, first_difference, load
 from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
-from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, choose, sync
+from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, check_compiler, choose, sync
 from model import Config, Linear, linear_kernel
 from prefill_clone import Engine, clone_prompt, prompt_per_row, run_prompt, timed_generation
 
@@ -259,60 +259,77 @@ def table_cuda(model, device, sizes, runs, out):
             raise SystemExit("bench.py: error: CUDA-graph replay gave other tokens than the eager path")
 
 
+# table 6's serving engines: the modules each needs, and the requirements file that installs them
+PEERS = {"transformers": (("transformers",), "requirements.txt"),
+         "ctranslate2": (("ctranslate2",), "requirements-serve.txt"),
+         "llama_cpp": (("gguf", "llama_cpp"), "requirements-serve.txt")}
+
+
+def missing_peers(device):
+    """{peer: why it cannot run here}, for each serving engine of table 6 that cannot."""
+    import importlib.util
+    missing = {}
+    for name, (modules, requirements) in PEERS.items():
+        if not all(importlib.util.find_spec(m) for m in modules):
+            missing[name] = f"not installed (pip install -r {requirements})"
+        elif name != "transformers" and "transformers" in missing:  # the model reaches them through export.py
+            missing[name] = "needs transformers to export the model (pip install -r requirements.txt)"
+        elif name != "transformers" and device.type != "cpu":
+            missing[name] = "run on the CPU only here"
+    return missing
+
+
 def table_peers(model, engines, device, sizes, runs, out):
-    """The same weights through the serving engines, side by side with the Engine's forms, greedy.
+    """The same weights through the serving engines, side by side with the Engine's forms, greedy; an engine
+    that cannot run here keeps its column, shown as -, and a line says why.
 
     llama.cpp and CTranslate2 each bring a thread pool that, once started in a process, slows torch
     and every other engine there for the rest of it; so each runs in a fresh process of its own,
     every round (a warm-up, then the timed run), and never during another's timing."""
-    import importlib.util
     import tempfile
 
-    import export
-    import serve
     from bpe import BPE
     n = min(256, max(sizes["lengths"]))
     print(f"\n6. the same weights through the serving engines: greedy tok/s, {n} tokens (median); the Engine's "
           "three forms as in table 4; llama.cpp and CTranslate2 each in a fresh process of its own every round")
+    missing = missing_peers(device)
+    for name, why in missing.items():
+        print(f"   {name}: {why}")
     bpe = BPE.load("tokenizer.json")
     prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
     threads = torch.get_num_threads()
-    installed = {name: device.type == "cpu" and all(importlib.util.find_spec(m) for m in modules)
-                 for name, modules in (("ctranslate2", ("ctranslate2",)), ("llama_cpp", ("gguf", "llama_cpp")))}
-    for name, here in installed.items():
-        if not here:
-            why = "CUDA: the CPU engines are not compared" if device.type != "cpu" else \
-                f"not installed: pip install -r {serve.REQUIREMENTS}"
-            print(f"  {name}: left out ({why})")
+    peers = {name: lambda b, e=engine: e.generate_batch(prompt, b, max_tokens=n, temperature=0)
+             for name, engine in engines.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        export.write_folder(model, bpe, os.path.join(tmp, "hf"))
-        hf, tokenizer = export.load_folder(os.path.join(tmp, "hf"))
-        hf = hf.to(device)
-        peers = {name: lambda b, e=engine: e.generate_batch(prompt, b, max_tokens=n, temperature=0)
-                 for name, engine in engines.items()}
-        peers["transformers"] = lambda b: hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
-                                                      min_new_tokens=n, do_sample=False, pad_token_id=0)
-        if installed["ctranslate2"]:
+        if "transformers" not in missing:
+            import export
+            import serve
+            export.write_folder(model, bpe, os.path.join(tmp, "hf"))
+            hf, tokenizer = export.load_folder(os.path.join(tmp, "hf"))
+            hf = hf.to(device)
+            peers["transformers"] = lambda b: hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
+                                                          min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if "ctranslate2" not in missing:
             serve.write_ct2(hf, tokenizer, os.path.join(tmp, "ct2"))
             tokens = tokenizer.convert_ids_to_tokens(prompt)
             peers["ctranslate2"] = lambda b: serve.isolated(
                 "CTranslate2", serve.ct2_greedy, os.path.join(tmp, "ct2"), tokens, b, n, threads, 2)[1][-1]
-        if installed["llama_cpp"]:
+        if "llama_cpp" not in missing:
             gguf = os.path.join(tmp, "model.gguf")
             serve.write_gguf(gguf, model.cfg, export.neox_state_dict(model), *export.spelled_vocabulary(bpe))
             peers["llama_cpp"] = lambda b: serve.isolated(
                 "llama.cpp", serve.llama_greedy, gguf, prompt, b, n, threads, 2)[1][-1]
-        names = [*peers, *(name for name, here in installed.items() if not here)]
-        print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in names) + f" {'compiled/llama_cpp':>19}")
+        columns = [*engines, *PEERS]
+        print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in columns) + f" {'compiled/llama_cpp':>22}")
         for batch in sizes["batches"]:
             row = {"batch": batch, "tokens": n}
             timed = measure({name: lambda run=run: run(batch) for name, run in peers.items()}, runs, device,
                             label=f"batch {batch}:")
             row.update({name: batch * n / t for name, (t, _) in timed.items()})
             out.append(row)
-            ratio = f"{row['engine_compiled'] / row['llama_cpp']:.2f}x" if "llama_cpp" in row else "-"
-            print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" if name in row else f"{'-':>15}" for name in names)
-                  + f" {ratio:>19}", flush=True)
+            ratio = f"{row['engine_compiled'] / row['llama_cpp']:>21.2f}x" if "llama_cpp" in row else f"{'-':>22}"
+            print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" if name in row else f"{'-':>15}" for name in columns)
+                  + f" {ratio}", flush=True)
 
 
 def main():
@@ -338,6 +355,8 @@ def main():
         raise ValueError(f"--runs must be at least 3 (figures are medians), got {args.runs}")
     if args.json is not None:
         check_output(args.json, args.force)
+    if tables & set("346"):  # each times the compiled decode step
+        check_compiler(device, "or run only --tables 1,2,5")
     sizes = QUICK if args.quick else FULL
     if args.tokens:
         if min(args.tokens) < 8:

@@ -15,6 +15,7 @@ DecodeStep is the same step in a form torch.compile and CUDA graphs accept
 
 prints what each candidate took for one step's 25 multiplies and which won.
 """
+import shutil
 import time
 import types
 import warnings
@@ -206,8 +207,29 @@ def add_speed_flags(ap):
 
 
 def speed_flags(args):
-    """The Engine's compile and dtype from those flags, the dtype checked before any checkpoint is read."""
-    return dict(compile=args.compile, dtype=check_dtype(args.dtype, device_from(args.device)))
+    """The Engine's compile and dtype from those flags, both checked before any checkpoint is read."""
+    device = device_from(args.device)
+    if args.compile:
+        check_compiler(device)
+    return dict(compile=args.compile, dtype=check_dtype(args.dtype, device))
+
+
+def compiler_missing(device):
+    """Why torch.compile cannot run on `device` here, or None. On a CPU inductor builds its kernels with
+    the first C++ compiler of its config.cpp.cxx that runs: $CXX if set, else g++ (clang++ on a Mac)."""
+    if torch.device(device).type != "cpu":
+        return None
+    names = torch._inductor.config.cpp.cxx
+    names = [names] if isinstance(names, str) else [name for name in names if name]
+    if any(shutil.which(name) for name in names):
+        return None
+    return (f"compiling on the CPU needs the C++ compiler inductor builds its kernels with ({' or '.join(names)}), "
+            "and there is none here; install one (apt-get install g++) or name one in CXX")
+
+
+def check_compiler(device, otherwise="or leave out --compile"):
+    if reason := compiler_missing(device):
+        raise ValueError(f"{reason}, {otherwise}")
 
 
 # inductor settings. On the CPU the weights are frozen into the graph as constants, which lets
@@ -252,6 +274,7 @@ class DecodeStep:
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
         self.weights = weights_state(model)
         if compile:
+            check_compiler(cache.k.device)
             options = dict(COMPILE_OPTIONS[cache.k.device.type] if options is None else options)
             freeze = options.pop("freezing", False)
             self.run = torch.compile(types.MethodType(own_copy(DecodeStep._step), self), dynamic=False,

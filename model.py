@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cli import atomic_write, check_count, check_fits, check_input, device_from
+from cli import Parser, atomic_write, check_count, check_fits, check_input, device_from
 
 
 @dataclass
@@ -342,6 +342,8 @@ def save_checkpoint(model, path, step, tokenizer=None, force=False):
 
 
 def main():
+    Parser(description="Print the Part 3 GPT's parameter budget and check that its untrained loss is close to "
+                       "ln(vocab_size). Takes no arguments.").parse_args()
     torch.manual_seed(1337)
     model = GPT()
     cfg = model.cfg

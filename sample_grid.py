@@ -8,8 +8,10 @@ setting gives alone, and every run on the CPU prints the same text.
 
 --compile and --dtype run the Engine's decode step compiled or in lower
 precision (prefill_clone.Engine's compile and dtype); the text is the same
-compiled, and may part from float32's in bfloat16.
+compiled, and may part from float32's in bfloat16. Compiling comes first,
+and its time is printed last.
 """
+import sys
 
 from cached import encode_prompt, load_pair
 from cli import Parser, check_count, run_cli
@@ -29,10 +31,15 @@ SETTINGS = {
 
 
 def grid(model, tokens, n_tokens, seed, progress=None, **engine):
-    """Each setting's new tokens, all eight rows from one run of the prompt; engine: Engine's compile, dtype."""
-    rows, _ = Engine(model, **engine).generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, progress=progress,
-                                           seed=[seed] * len(SETTINGS), settings=list(SETTINGS.values()))
-    return dict(zip(SETTINGS, rows))
+    """Each setting's new tokens, all eight rows from one run of the prompt, and the seconds compiling the
+    decode step took (0 unless compiled, and not in the progress line's ETA); engine: Engine's compile, dtype."""
+    engine = Engine(model, **engine)
+    if engine.compile and progress:
+        print(f"compiling the decode step for {len(SETTINGS)} rows (a minute or so)", file=sys.stderr)
+    compile_seconds = engine.prepare(len(SETTINGS))
+    rows, _ = engine.generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, progress=progress,
+                                    seed=[seed] * len(SETTINGS), settings=list(SETTINGS.values()))
+    return dict(zip(SETTINGS, rows)), compile_seconds
 
 
 def main():
@@ -51,11 +58,13 @@ def main():
     speed = speed_flags(args)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
-    rows = grid(model, tokens, args.tokens, args.seed, "tokens", **speed)
+    rows, compile_seconds = grid(model, tokens, args.tokens, args.seed, "tokens", **speed)
     for name, row in rows.items():
         print(f"=== {name}")
         print(tokenizer.decode(tokens + row).strip())
         print()
+    if args.compile:
+        print(f"the decode step compiled in {compile_seconds:.0f} s")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from cli import Parser
+
 MIN_TEMPERATURE = 1e-4  # below it, scores divided by the temperature can overflow float32
 PENALTY_RANGE = (1e-4, 1e4)  # beyond it, a penalized score can overflow float32 or become -inf
 
@@ -123,7 +125,9 @@ def self_check():
     return freq
 
 
-if __name__ == "__main__":
+def main():
+    Parser(description="Self-check of pick(): the reference cases, and that temperature 1 samples the softmax. "
+                       "Takes no arguments.").parse_args()
     t0 = time.time()
     try:
         freq = self_check()
@@ -134,3 +138,7 @@ if __name__ == "__main__":
     print("penalty 2.0 on scores [2.0, 1.5] with history [0] picks 1")
     print("temperature 1 draw frequencies " + ", ".join(f"{f:.3f}" for f in freq) + " for softmax 0.4, 0.3, 0.2, 0.1")
     print(f"self-check passed in {time.time() - t0:.2f}s")
+
+
+if __name__ == "__main__":
+    main()

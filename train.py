@@ -8,8 +8,8 @@ decay; every 250 steps the mean loss of 20 train and 20 val batches goes to
 NAME.csv and the best-val model to NAME.pt, in Part 3's checkpoint format
 plus a record of the tokenizer it was trained with. NAME.resume.pt holds
 what a cut-short run needs to go on with --resume, and which run it is: a
-resume with another corpus, tokenizer or setting is refused. A loss that is
-not finite stops the run.
+resume with another corpus, tokenizer or setting is refused. A run that
+finishes removes it. A loss that is not finite stops the run.
 """
 import csv
 import hashlib
@@ -103,6 +103,12 @@ def read_resume(name, device):
     the rows up to the resume file's step: a run killed between writing a row and writing the
     resume file logged a step that the resumed run will do again."""
     path, log = f"{name}.resume.pt", f"{name}.csv"
+    if not os.path.lexists(path):
+        instead = "start without --resume"
+        if os.path.lexists(f"{name}.pt"):
+            instead = f"to train again, pass --force instead of --resume to replace {name}.pt, or --out NAME"
+        raise ValueError(f"--resume: there is no cut-short run to go on from ({path} not found; a run that "
+                         f"finishes removes it); {instead}")
     for p in (path, log):
         check_input(p, "--resume:", MAX_RESUME_BYTES, "start without --resume")
     try:
@@ -119,6 +125,16 @@ def read_resume(name, device):
     if not all(row and row[0].isdigit() for row in rows):
         raise ValueError(f"--resume: {log} has a row that does not start with a step; start again without --resume")
     return state, [row for row in rows if int(row[0]) <= state["step"]]
+
+
+def check_outputs(name, force, resume, inputs):
+    """NAME.pt, NAME.csv and NAME.resume.pt can be written (and are none of the run's inputs); one that
+    exists is replaced only with --force or --resume, and the refusal names every way on."""
+    paths = [check_output(path, force=True, inputs=inputs) for path in (f"{name}.pt", f"{name}.csv", f"{name}.resume.pt")]
+    existing = next((path for path in paths if os.path.lexists(path)), None)
+    if existing and not (force or resume):
+        cut = f", or --resume to go on from the cut-short run in {paths[2]}" if os.path.lexists(paths[2]) else ""
+        raise ValueError(f"{existing} already exists; pass --force to replace it, or --out NAME for a new run{cut}")
 
 
 def check_same_run(here, then, args):
@@ -155,7 +171,7 @@ def main():
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--out", default="holmes", help="writes NAME.pt, NAME.csv, NAME.resume.pt")
+    ap.add_argument("--out", default="holmes", help="writes NAME.pt, NAME.csv, NAME.resume.pt (removed when done)")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-batches", type=int, default=20)
     ap.add_argument("--device", default="cpu")
@@ -172,9 +188,7 @@ def main():
     name = args.out.removesuffix(".pt")
     if not os.path.basename(name):
         raise ValueError(f"--out {args.out!r} names no run; give a name like holmes or runs/holmes")
-    for path in (f"{name}.pt", f"{name}.csv", f"{name}.resume.pt"):
-        check_output(path, args.force or args.resume, "--force (or --resume to go on from it)",
-                     inputs=[args.corpus, args.tokenizer])
+    check_outputs(name, args.force, args.resume, inputs=[args.corpus, args.tokenizer])
     use_bf16 = device.type == "cuda" or args.bf16
 
     def autocast():
@@ -269,7 +283,9 @@ def main():
                          f"{total_time:.0f}s")
     finally:  # clears a drawn progress line, so that an error or the end line starts a line of its own
         show_progress(label, args.steps - start, args.steps - start, t0)
-    # every loss was finite and the last step was evaluated, so NAME.pt holds the best of them
+    # every loss was finite and the last step was evaluated, so NAME.pt holds the best of them, and
+    # nothing is left to resume
+    os.remove(f"{name}.resume.pt")
     print(f"best val loss {best_val:.3f}; checkpoint {name}.pt, log {name}.csv", file=sys.stderr)
 
 

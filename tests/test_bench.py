@@ -7,6 +7,9 @@ import sys
 import pytest
 import torch
 
+import bench
+from kernels import compiler_missing
+
 
 
 def positive_numbers(node, path="report"):
@@ -20,6 +23,7 @@ def positive_numbers(node, path="report"):
         yield path, node
 
 
+@pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--tokens", "8", "--json", str(out)],
@@ -46,8 +50,9 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     assert drift["weights"] == "holmes.pt" and drift["tokens"] == 16 and 0 < drift["max_logit_difference"] < 1
     assert drift["first_difference"] is None or 0 <= drift["first_difference"] < 16
     assert report["cuda"]["skipped"].startswith("skipped: needs a CUDA device")
-    forms = {"engine", "engine_compiled", "engine_bf16", "transformers"}  # the engines beside them when installed
-    assert [r["batch"] for r in report["peers"]] == [1, 4] and all(forms <= set(r) for r in report["peers"])
+    installed = set(bench.PEERS) - set(bench.missing_peers(torch.device("cpu")))  # the serving engines here
+    columns = {"batch", "tokens", "engine", "engine_compiled", "engine_bf16", *installed}
+    assert [r["batch"] for r in report["peers"]] == [1, 4] and all(set(r) == columns for r in report["peers"])
     numbers = dict(positive_numbers({k: report[k] for k in ("decode", "memory", "prefill_clone", "kernels", "peers")}))
     assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers
     assert "5. CUDA" in run.stdout and "skipped" in run.stdout
@@ -78,3 +83,27 @@ def test_an_existing_json_is_kept_unless_forced_and_a_missing_folder_fails_at_on
     missing = tmp_path / "no" / "bench.json"
     run = subprocess.run([sys.executable, "bench.py", "cpu", "--json", str(missing)], capture_output=True, text=True)
     assert run.returncode == 1 and "does not exist" in run.stderr and run.stdout == ""
+
+
+def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypatch, capsys):
+    import importlib.util
+
+    from cached import CachedGPT
+    from model import Config
+    from prefill_clone import Engine
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("gguf", "llama_cpp") or (
+        name == "transformers") else real(name, *a))
+    model = CachedGPT(Config(d_model=64, n_heads=4, n_layers=2, context=32)).eval()
+    engines = {"engine": Engine(model), "engine_compiled": Engine(model), "engine_bf16": Engine(model)}  # no compile
+    out = []
+    bench.table_peers(model, engines, torch.device("cpu"), {"lengths": (8,), "batches": (1,)}, 3, out)
+    lines = capsys.readouterr().out.splitlines()
+    assert "   transformers: not installed (pip install -r requirements.txt)" in lines
+    assert any(line.startswith("   ctranslate2: ") for line in lines)
+    assert "   llama_cpp: not installed (pip install -r requirements-serve.txt)" in lines
+    header, row = lines[-2].split(), lines[-1].split()
+    assert header == ["batch", "engine", "engine_compiled", "engine_bf16", "transformers", "ctranslate2", "llama_cpp",
+                      "compiled/llama_cpp"]
+    assert row[0] == "1" and row[4:] == ["-", "-", "-", "-"] and len(row) == len(header)
+    assert set(out[0]) == {"batch", "tokens", "engine", "engine_compiled", "engine_bf16"}

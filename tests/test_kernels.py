@@ -1,4 +1,5 @@
 """kernels.py: every candidate computes nn.Linear's product; only an exact one can be chosen, once per batch."""
+import os
 import subprocess
 import sys
 
@@ -71,3 +72,17 @@ def test_cli_prints_each_kernel_and_the_fastest_and_refuses_a_bad_batch_in_one_l
     assert run.stdout.startswith("batch 2: nn ") and "fastest: " in run.stdout
     run = subprocess.run([sys.executable, "kernels.py", "--batches", "0"], capture_output=True, text=True)
     assert run.returncode == 1 and run.stderr.strip() == "kernels.py: error: --batches must be whole numbers >= 1, got [0]"
+
+
+def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything_compiles(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-c++"))
+    assert "C++ compiler inductor builds its kernels with (no-such-c++)" in kernels.compiler_missing("cpu")
+    from prefill_clone import Engine
+    with pytest.raises(ValueError, match=r"\(no-such-c\+\+\), and there is none here; install one "
+                                         r"\(apt-get install g\+\+\) or name one in CXX, or leave out --compile"):
+        Engine(CachedGPT(SMALL).eval(), compile=True).generate_batch([1, 2], 2, max_tokens=3)
+    run = subprocess.run([sys.executable, "sample_grid.py", "--compile"], capture_output=True, text=True,
+                         env={**os.environ, "CXX": "no-such-c++"})
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.startswith("sample_grid.py: error: compiling on the CPU needs the C++ compiler")
+    assert len(run.stderr.strip().splitlines()) == 1

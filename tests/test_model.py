@@ -10,8 +10,10 @@ import torch.nn.functional as F
 
 from dataclasses import dataclass
 
+import model
 from cli import device_from
 from model import GPT, Config, check_finite, load_checkpoint, parameter_count, save_checkpoint
+from test_bpe import assert_refused, run_main
 
 PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}
 
@@ -115,6 +117,13 @@ def test_model_py_prints_the_budget():
     run = subprocess.run([sys.executable, "model.py"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "5,781,504" in run.stdout
+
+
+def test_model_py_help_prints_help_without_the_self_check_and_an_unknown_flag_is_one_line(monkeypatch, capsys):
+    status, out, _ = run_main(model.main, ["model.py", "--help"], monkeypatch, capsys)
+    assert status == 0 and out.startswith("usage: model.py") and "5,781,504" not in out
+    assert_refused(run_main(model.main, ["model.py", "--stpes", "3"], monkeypatch, capsys),
+                   "model.py: error: unrecognized arguments: --stpes 3 (see --help)")
 
 
 def test_generate_reruns_the_last_context_tokens_for_every_new_token():

@@ -8,7 +8,7 @@ import torch
 from cached import CachedGPT, LayerCache
 import prefill_clone
 from cli import run_cli
-from kernels import KERNELS
+from kernels import KERNELS, compiler_missing
 from model import Config
 from prefill_clone import Engine, KVCache, clone_prompt, prompt_per_row, run_prompt
 from sampling import picker
@@ -364,6 +364,7 @@ def test_a_stop_string_of_any_length_ends_the_row_where_it_first_appears(shipped
     assert stopped == free[:first] and first >= end - start
 
 
+@pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 def test_compiled_engine_gives_the_eager_tokens_compiles_once_per_batch_and_never_runs_stale_weights():
     model, sampled = small(), []
     for seed in (0, 1):

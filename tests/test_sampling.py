@@ -5,7 +5,9 @@ import sys
 import pytest
 import torch
 
+import sampling
 from sampling import pick, picker
+from test_bpe import assert_refused, run_main
 
 G = torch.Generator
 
@@ -14,6 +16,13 @@ def test_self_check_runs_from_the_command_line():
     run = subprocess.run([sys.executable, "sampling.py"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "self-check passed" in run.stdout
+
+
+def test_help_prints_help_without_the_self_check_and_an_unknown_flag_is_one_line(monkeypatch, capsys):
+    status, out, _ = run_main(sampling.main, ["sampling.py", "--help"], monkeypatch, capsys)
+    assert status == 0 and out.startswith("usage: sampling.py") and "self-check passed" not in out
+    assert_refused(run_main(sampling.main, ["sampling.py", "--seed", "3"], monkeypatch, capsys),
+                   "sampling.py: error: unrecognized arguments: --seed 3 (see --help)")
 
 
 def test_greedy_settings_give_the_argmax_for_every_row():

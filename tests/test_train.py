@@ -55,10 +55,27 @@ def in_process(path, *args):
     return path
 
 
+class Killed(BaseException):
+    """kill -9: nothing after it runs (not even run_cli's handling)."""
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """A finished 1-step run to copy: corpus.txt, data/ (its ids), run.pt, run.csv, run.resume.pt."""
+    """A finished 1-step run to copy: corpus.txt, data/ (its ids), run.pt, run.csv."""
     return in_process(tmp_path_factory.mktemp("finished"), "--out", "run", *TINY)
+
+
+@pytest.fixture(scope="module")
+def killed_after_last_step(tmp_path_factory):
+    """A 1-step run killed after its step's files were written, before it finished and removed its
+    resume file, to copy: corpus.txt, data/ (its ids), run.pt, run.csv, run.resume.pt."""
+    def killed(*args):
+        raise Killed
+    path = tmp_path_factory.mktemp("killed")
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(Killed):
+        mp.setattr(train_module, "log_line", killed)  # the line written after the step's files
+        in_process(path, "--out", "run", *TINY)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +108,8 @@ def test_schedule_warms_up_then_decays_to_a_tenth():
     assert lr_at(mid, 1500, 1e-3) == pytest.approx(1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 2))))
 
 
-def test_a_run_writes_a_part3_checkpoint_recording_its_tokenizer_a_csv_and_its_identity(finished):
+def test_a_run_writes_a_part3_checkpoint_recording_its_tokenizer_a_csv_and_its_identity(finished,
+                                                                                         killed_after_last_step):
     ckpt = torch.load(finished / "run.pt", weights_only=True)
     assert set(ckpt) == {"model", "config", "step", "tokenizer"} and ckpt["step"] == 1
     assert ckpt["tokenizer"] == BPE.load(TOKENIZER).record()
@@ -100,13 +118,27 @@ def test_a_run_writes_a_part3_checkpoint_recording_its_tokenizer_a_csv_and_its_i
     rows = list(csv.DictReader(open(finished / "run.csv")))
     assert [r["step"] for r in rows] == ["1"]
     assert list(rows[0]) == ["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"]
-    state = torch.load(finished / "run.resume.pt", weights_only=True)
+    state = torch.load(killed_after_last_step / "run.resume.pt", weights_only=True)
     assert state["step"] == 1 and state["run"]["--lr"] == 1e-3 and state["run"]["--steps"] == 1
     assert state["run"]["--tokenizer"] == BPE.load(TOKENIZER).record()["sha256"]
 
 
-class Killed(BaseException):
-    """kill -9: nothing after it runs (not even run_cli's handling)."""
+def test_a_finished_run_removes_its_resume_file_and_a_cut_one_keeps_it(finished, killed_after_last_step):
+    assert sorted(os.listdir(finished)) == ["corpus.txt", "data", "run.csv", "run.pt"]
+    assert sorted(os.listdir(killed_after_last_step)) == ["corpus.txt", "data", *sorted(RUN_FILES)]
+
+
+def test_after_a_finished_run_each_refusal_names_a_way_on_that_works(tmp_path, finished, monkeypatch, capsys):
+    copy_run(finished, tmp_path, ["corpus.txt", "data", "run.pt", "run.csv"])
+    again = train(tmp_path, *TINY, monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(again, "train.py: error: run.pt already exists; pass --force to replace it, "
+                          "or --out NAME for a new run\n")
+    resumed = train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(resumed, "train.py: error: --resume: there is no cut-short run to go on from (run.resume.pt not "
+                            "found; a run that finishes removes it); to train again, pass --force instead of "
+                            "--resume to replace run.pt, or --out NAME\n")
+    assert train(tmp_path, *TINY, "--out", "second", monkeypatch=monkeypatch, capsys=capsys)[0] == 0
+    assert train(tmp_path, *TINY, "--force", monkeypatch=monkeypatch, capsys=capsys)[0] == 0
 
 
 def cut_at_step_2_batch(monkeypatch):
@@ -177,8 +209,8 @@ def renamed_run(tmp_path):
     (["--out", "renamed"], renamed_run, "--out is renamed here but the run being resumed used run"),
 ], ids=["lr", "steps", "eval-every", "eval-batches", "bf16", "corpus", "tokenizer", "out"])
 def test_a_resume_of_another_run_is_refused_naming_the_first_difference(
-        tmp_path, finished, change, prepare, message, monkeypatch, capsys, shipped_unchanged):
-    copy_run(finished, tmp_path)
+        tmp_path, killed_after_last_step, change, prepare, message, monkeypatch, capsys, shipped_unchanged):
+    copy_run(killed_after_last_step, tmp_path)
     if prepare:
         prepare(tmp_path)
     victims = {name: sha256(tmp_path / name) for name in os.listdir(tmp_path) if name.endswith((".pt", ".csv"))}
@@ -187,8 +219,8 @@ def test_a_resume_of_another_run_is_refused_naming_the_first_difference(
     assert {name: sha256(tmp_path / name) for name in victims} == victims
 
 
-def test_the_same_corpus_under_another_name_resumes(tmp_path, finished, monkeypatch, capsys):
-    copy_run(finished, tmp_path)
+def test_the_same_corpus_under_another_name_resumes(tmp_path, killed_after_last_step, monkeypatch, capsys):
+    copy_run(killed_after_last_step, tmp_path)
     os.rename(tmp_path / "corpus.txt", tmp_path / "moved.txt")
     status, _, err = train(tmp_path, *TINY, "--resume", "--corpus", "moved.txt", monkeypatch=monkeypatch,
                            capsys=capsys)
@@ -259,8 +291,9 @@ def make(tmp_path, kind):
     ("missing/run", None, "missing does not exist"),
     ("/sys/run", None, "the folder /sys is not writable"),
     ("run", "pt-folder", "cannot write run.pt: it is a folder"),
-    ("run", "run.csv-exists", "run.csv already exists; pass --force (or --resume to go on from it)"),
-    ("run", "run.resume.pt-exists", "run.resume.pt already exists; pass --force"),
+    ("run", "run.csv-exists", "run.csv already exists; pass --force to replace it, or --out NAME for a new run\n"),
+    ("run", "run.resume.pt-exists", "run.resume.pt already exists; pass --force to replace it, or --out NAME for "
+                                    "a new run, or --resume to go on from the cut-short run in run.resume.pt\n"),
     ("run", "data-file", "data is not a folder, but train.py caches token ids in data/; move it away"),
     ("run", "data-read-only", "data is not writable"),
 ], ids=["empty", "folder", "missing-folder", "read-only-folder", "pt-is-a-folder", "csv-exists", "resume-exists",
@@ -319,9 +352,10 @@ def interrupt(monkeypatch, where):
 @pytest.mark.parametrize("where, victim", [
     ("tokenizing", None), ("step", None), ("csv", "run.csv"), ("checkpoint", "run.pt"), ("resume", "run.resume.pt"),
 ])
-def test_sigterm_mid_run_leaves_no_temporary_file_and_one_line(tmp_path, finished, where, victim, monkeypatch,
-                                                              capsys, shipped_unchanged):
-    copy_run(finished, tmp_path, ["corpus.txt", *RUN_FILES] + (["data"] if where != "tokenizing" else []))
+def test_sigterm_mid_run_leaves_no_temporary_file_and_one_line(tmp_path, killed_after_last_step, where, victim,
+                                                              monkeypatch, capsys, shipped_unchanged):
+    copy_run(killed_after_last_step, tmp_path,
+             ["corpus.txt", *RUN_FILES] + (["data"] if where != "tokenizing" else []))
     before = {name: sha256(tmp_path / name) for name in RUN_FILES}
     interrupt(monkeypatch, where)
     status, _, err = train(tmp_path, *TINY, "--force", monkeypatch=monkeypatch, capsys=capsys)
@@ -404,9 +438,9 @@ def test_force_lets_a_file_be_replaced_and_a_missing_folder_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("resume", [None, b"not a resume file", "wrong keys", "no identity", "no csv"])
-def test_a_missing_or_corrupt_resume_file_gets_one_line(tmp_path, finished, resume, monkeypatch, capsys,
-                                                        shipped_unchanged):
-    copy_run(finished, tmp_path)
+def test_a_missing_or_corrupt_resume_file_gets_one_line(tmp_path, killed_after_last_step, resume, monkeypatch,
+                                                        capsys, shipped_unchanged):
+    copy_run(killed_after_last_step, tmp_path)
     state = torch.load(tmp_path / "run.resume.pt", weights_only=True)
     if resume is None:
         os.remove(tmp_path / "run.resume.pt")

@@ -7,7 +7,9 @@ kept keys. Two details make it exact: RoPE starts at the token's position
 (with one query, SDPA's top-left-aligned mask would hide all keys but the first).
 The forward asks a cache object where the new keys go and what to read:
 LayerCache here (concatenate, keep the last `context`), KVCache in
-prefill_clone.py (preallocated, a ring past the window).
+prefill_clone.py (preallocated, a ring past the window). The post's plain
+dict per layer works too (`caches = [{} for _ in model.blocks]`): it is
+wrapped in PostCache, which keeps "k" and "v" in the dict in the post's order.
 
     python cached.py [CHECKPOINT] [--prompt TEXT] [--tokens 600]
 
@@ -28,7 +30,8 @@ import torch
 
 from bpe import BPE
 from cli import Parser, check_count, run_cli, show_progress
-from model import GPT, Block, RoPEAttention, check_finite, greedy, load_checkpoint, rope_at
+# Config too: the series' scripts import it from here (`from cached import CachedGPT, Config`).
+from model import GPT, Block, Config, RoPEAttention, check_finite, greedy, load_checkpoint, rope_at  # noqa: F401
 
 
 class LayerCache:
@@ -63,7 +66,25 @@ class TrimAfter(LayerCache):
         return k, v, None
 
 
+class PostCache(TrimAfter):
+    """The post's cache: a plain dict per layer holding the kept keys and values as "k" and "v",
+    appended and trimmed in the post's order, so its loop and its bench.py's byte count see the dicts they expect."""
+
+    def __init__(self, store, context):
+        super().__init__(context)
+        self.store, self.k, self.v = store, store.get("k"), store.get("v")
+
+    def update(self, k, v, start):
+        attended = super().update(k, v, start)
+        self.store["k"], self.store["v"] = self.k, self.v
+        return attended
+
+
 class CachedAttention(RoPEAttention):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.context = cfg.context
+
     def forward(self, x, cache=None, start=0):
         """With no cache this is Part 3's attention, so model(idx) still works."""
         T = x.shape[1]
@@ -73,6 +94,8 @@ class CachedAttention(RoPEAttention):
         q, k = rope_at(q, start), rope_at(k, start)
         mask = None
         if cache is not None:
+            if isinstance(cache, dict):  # the post's per-layer dict
+                cache = PostCache(cache, self.context)
             # The cache decides where the new keys go and what this step reads.
             k, v, mask = cache.update(k, v, start)
         # Gotcha 2: SDPA's causal mask is aligned top-left; with one query it would hide every
@@ -103,12 +126,11 @@ class CachedBlock(Block):
 
 class CachedGPT(GPT):
     block = CachedBlock  # same parameter names, so Part 3 checkpoints load
-    generate_uncached = GPT.generate
 
     def step(self, idx, caches, start):
         """Run only the new tokens idx (B, T) at positions start..; return the last position's logits (B, vocab).
 
-        caches: one cache per layer (LayerCache objects, or a prefill_clone.KVCache)."""
+        caches: one cache per layer (LayerCache objects, the post's dicts, or a prefill_clone.KVCache)."""
         x = self.emb(idx)
         for block, cache in zip(self.blocks, caches):
             x = x + block.attn(block.norm1(x), cache, start)

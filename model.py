@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cli import Parser, atomic_write, check_count, check_fits, check_input, device_from
+from sampling import picker
 
 
 @dataclass
@@ -222,8 +223,14 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
 
+    def generate(self, idx, n_tokens, temperature=0.8, *, pick=None):
+        """Part 3's sampling: each token drawn from softmax(scores / temperature) with torch's global
+        generator, so the same torch.manual_seed gives Part 3's tokens. pick(logits, idx), when given,
+        chooses instead (temperature is then unused), as in generate_uncached."""
+        return self.generate_uncached(idx, n_tokens, picker(temperature=temperature) if pick is None else pick)
+
     @torch.no_grad()
-    def generate(self, idx, n_tokens, pick=greedy):
+    def generate_uncached(self, idx, n_tokens, pick=greedy):
         """Part 3's loop: rerun the last `context` tokens for every new token."""
         check_count("n_tokens", n_tokens)
         for n in range(n_tokens):

@@ -137,7 +137,7 @@ def test_generate_reruns_the_last_context_tokens_for_every_new_token():
         seen.append((logits, idx))
         return logits.argmax(-1)
     with torch.no_grad():
-        out = model.generate(torch.zeros(2, 3, dtype=torch.long), 12, pick)
+        out = model.generate_uncached(torch.zeros(2, 3, dtype=torch.long), 12, pick)
     assert out.shape == (2, 15) and len(seen) == 12
     for logits, idx in seen:
         expected = reference_forward(sd, cfg, idx[:, -8:])[:, -1]

@@ -32,9 +32,9 @@ import torch
 
 from cached import CachedGPT, first_difference, load
 from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
-from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, check_compiler, choose, sync
-from model import Config, Linear, linear_kernel
-from prefill_clone import Engine, clone_prompt, prompt_per_row, run_prompt, timed_generation
+from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, FastEngine, check_compiler, choose, sync, with_kernel
+from model import Config
+from prefill_clone import clone_prompt, prompt_per_row, run_prompt, timed_generation
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50, drift=256,
             wrappers=True)
@@ -84,8 +84,8 @@ def machine(device):
 
 def engine_forms(model):
     """The Engine as tables 4 and 6 run it: default, compiled and bfloat16; each compiles once per batch."""
-    return {"engine": Engine(model), "engine_compiled": Engine(model, compile=True),
-            "engine_bf16": Engine(model, dtype=torch.bfloat16)}
+    return {"engine": FastEngine(model), "engine_compiled": FastEngine(model, compile=True),
+            "engine_bf16": FastEngine(model, dtype=torch.bfloat16)}
 
 
 def table_decode(model, engines, device, sizes, runs, out):
@@ -128,7 +128,7 @@ def table_drift(device, n_tokens, out):
     print("   logit difference along the float32 tokens (at most the context's positions, in one forward)")
     model = load(CHECKPOINT, device) if os.path.exists(CHECKPOINT) else CachedGPT().to(device).eval()
     prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
-    full, half = Engine(model), Engine(model, dtype=torch.bfloat16)
+    full, half = FastEngine(model), FastEngine(model, dtype=torch.bfloat16)
     tokens, low = (e.generate_batch(prompt, 1, max_tokens=n_tokens, temperature=0)[0][0] for e in (full, half))
     parts = first_difference(tokens, low)
     ids = torch.tensor([prompt + tokens], device=device)[:, :model.cfg.context]
@@ -157,7 +157,7 @@ def table_prefill(model, device, sizes, runs, out):
         prompt = torch.randint(model.cfg.vocab_size, (n_prompt,), generator=gen).tolist()
         for n in sizes["clones"]:
             sep, clone = (t for t, _ in measure(
-                {fill: lambda fill=fill: timed_generation(Engine(model, fill=fill), prompt, n, 1, temperature=0)
+                {fill: lambda fill=fill: timed_generation(FastEngine(model, fill=fill), prompt, n, 1, temperature=0)
                  for fill in (prompt_per_row, clone_prompt)}, runs, device).values())
             out.append({"prompt": n_prompt, "n": n, "separate_ms": sep * 1e3, "clone_ms": clone * 1e3})
             print(f"{n_prompt:>6} {n:>3} {sep * 1e3:>10.1f} {clone * 1e3:>10.1f} {sep / clone:>7.1f}x", flush=True)
@@ -174,7 +174,7 @@ def decode_fixture(model, batch, device):
 @torch.inference_mode()
 def table_kernels(model, device, sizes, runs, out):
     print(f"\n3. the decode step's matrix multiply: every exact kernel (kernels.py) timed for one step's "
-          f"{sum(isinstance(m, Linear) for m in model.modules())} products")
+          f"{sum(isinstance(m, torch.nn.Linear) for m in model.modules())} products")
     print("   (ms, fastest of 5 interleaved runs), as the Engine measures them; then one whole step at a full")
     print(f"   {model.cfg.context}-position cache with the chosen kernel and with nn.Linear (ms, median of "
           f"{sizes['steps']} steps)")
@@ -183,11 +183,11 @@ def table_kernels(model, device, sizes, runs, out):
         token, cache = decode_fixture(model, batch, device)
         ctx, steps = model.cfg.context, sizes["steps"]
         row = {"batch": batch, "kernels_ms": {n: t and t * 1e3 for n, t in measured.items()}, "chosen": chosen}
-        def steps_with(kernel):
-            with linear_kernel(kernel):
-                for _ in range(steps):
-                    model.step(token, cache, ctx)
-        timed = measure({"chosen": lambda: steps_with(KERNELS[chosen]), "nn": lambda: steps_with(None)}, runs, device)
+        def steps_with(runner):
+            for _ in range(steps):
+                runner.step(token, cache, ctx)
+        fast = with_kernel(model, KERNELS[chosen])
+        timed = measure({"chosen": lambda: steps_with(fast), "nn": lambda: steps_with(model)}, runs, device)
         for name, (t, _) in timed.items():
             row[f"step_ms_{name}"] = t / steps * 1e3
         out.append(row)
@@ -245,7 +245,7 @@ def table_cuda(model, device, sizes, runs, out):
     n_tokens = sizes["lengths"][-1]
     out["graph"] = []
     for batch in sizes["batches"]:
-        eager, graphed = Engine(model), Engine(model, cuda_graph=True)
+        eager, graphed = FastEngine(model), FastEngine(model, cuda_graph=True)
         runs_of = {e: lambda e=e: e.generate_batch(prompt, batch, max_tokens=n_tokens, temperature=0)[0]
                    for e in (eager, graphed)}
         same = runs_of[eager]() == runs_of[graphed]()

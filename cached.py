@@ -28,10 +28,10 @@ import time
 
 import torch
 
-from bpe import BPE
+from checks import load_checkpoint, prompt_ids, tokenizer_for
 from cli import Parser, check_count, run_cli, show_progress
 # Config too: the series' scripts import it from here (`from cached import CachedGPT, Config`).
-from model import GPT, Block, Config, RoPEAttention, check_finite, greedy, load_checkpoint, rope_at  # noqa: F401
+from model import GPT, Block, Config, RoPEAttention, check_finite, greedy, rope_at  # noqa: F401
 
 
 class LayerCache:
@@ -139,19 +139,17 @@ class CachedGPT(GPT):
 
     @torch.no_grad()
     def generate_cached(self, idx, n_tokens, pick=greedy, cache=LayerCache):
-        """Prefill the last `context` prompt tokens in one pass, then feed one token a step."""
-        check_count("n_tokens", n_tokens)
+        """pick(logits, idx) chooses the next token; idx is everything so far."""
+        assert not self.training, "call model.eval() first: in training mode dropout changes every token"
         caches = [cache(self.cfg.context) for _ in self.blocks]
         prompt = idx[:, -self.cfg.context:]
-        if n_tokens:
-            logits = self.step(prompt, caches, 0)  # prefill: the whole prompt in one pass
+        logits = self.step(prompt, caches, 0)  # prefill: the whole prompt in one pass
         pos = prompt.shape[1]
         for i in range(n_tokens):
             nxt = pick(check_finite(logits, i), idx)[:, None]
             idx = torch.cat([idx, nxt], dim=1)
-            if i + 1 < n_tokens:  # the last token needs no step: nothing reads its logits
-                logits = self.step(nxt, caches, pos)
-                pos += 1
+            logits = self.step(nxt, caches, pos)
+            pos += 1
         return idx
 
 
@@ -184,28 +182,9 @@ def exact_tokens(context, n_prompt):
 
 
 def load_pair(checkpoint, tokenizer_path, device="cpu"):
-    """The model and its tokenizer, refusing a tokenizer other than the one the checkpoint records,
-    or, for a checkpoint that records none (Part 3's), one whose vocabulary differs in size."""
-    model, tokenizer = load(checkpoint, device), BPE.load(tokenizer_path)
-    if tokenizer.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but {checkpoint} a vocabulary of "
-                         f"{model.cfg.vocab_size}; give the tokenizer this checkpoint was trained with (--tokenizer)")
-    trained_with = model.trained_with
-    if trained_with is None:
-        print(f"note: {checkpoint} does not record its tokenizer; assuming {tokenizer_path} (--tokenizer)",
-              file=sys.stderr)
-    elif not isinstance(trained_with, dict) or trained_with.get("sha256") != tokenizer.record()["sha256"]:
-        raise ValueError(f"{tokenizer_path} is not the tokenizer {checkpoint} was trained with (their merges differ); "
-                         "give the right one with --tokenizer")
-    return model, tokenizer
-
-
-def encode_prompt(tokenizer, text, model):
-    """The prompt's ids (1, T) on the model's device."""
-    ids = tokenizer.encode(text)
-    if not ids:
-        raise ValueError("the prompt is empty; give at least one character")
-    return torch.tensor([ids], device=model.emb.weight.device)
+    """The model and the tokenizer it was trained with (checks.tokenizer_for says how that is known)."""
+    model = load(checkpoint, device)
+    return model, tokenizer_for(model, checkpoint, tokenizer_path)
 
 
 def with_progress(pick, n_tokens, label):
@@ -270,7 +249,7 @@ def main():
         broken_attention(args.broken)
     check_count("--tokens", args.tokens)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
-    prompt = encode_prompt(tokenizer, args.prompt, model)
+    prompt = prompt_ids(tokenizer, args.prompt, model)
     print(f"{args.checkpoint}, prompt {args.prompt!r} ({prompt.shape[1]} tokens), greedy, {args.device}")
     if args.broken is None:
         prove(model, prompt, args.tokens)

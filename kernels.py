@@ -7,25 +7,29 @@ number of rows: feeding a lone row twice won on an AMD EPYC and lost on an
 Intel Xeon. So nothing is hard-coded: choose() times every candidate that
 runs on this device, dtype and batch, refuses any whose output is not
 nn.Linear's (within 1e-5 in float32), and keeps the fastest, once per
-(batch, device, dtype, shapes). model.linear_kernel(fn) switches it on.
-DecodeStep is the same step in a form torch.compile and CUDA graphs accept
-(no Python state, the cache written in place), compiled or captured once.
+(batch, device, dtype, shapes). DecodeStep is the same step in a form
+torch.compile and CUDA graphs accept (no Python state, the cache written in
+place), compiled or captured once. FastEngine is prefill_clone's Engine with
+all of this applied from outside, as gpt-fast applies torch.compile in its
+main: the model and the lesson's Engine know nothing of it.
 
     python kernels.py [cpu|cuda] [--batches 1 16]
 
 prints what each candidate took for one step's 25 multiplies and which won.
 """
 import shutil
+import copy
 import time
 import types
 import warnings
 import weakref
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from cli import Parser, device_from, run_cli
-from model import Linear
+from prefill_clone import Engine, KVCache, clone_prompt, sync
 
 PREPARED = weakref.WeakKeyDictionary()  # layer -> {kernel name: (weight version, reordered weight)}
 
@@ -106,6 +110,29 @@ KERNELS = {"nn": nn_linear, "left": weights_left, "twice": lone_row_twice, "tran
            "mv": matrix_vector, "mkl": mkl_packed, "onednn": onednn_packed, "split": split_rows}
 
 
+class KernelLinear(nn.Module):
+    """An nn.Linear whose product kernel(layer, rows) computes, on the layer's own weights (None: nn.Linear's)."""
+
+    def __init__(self, layer, kernel):
+        super().__init__()
+        self.layer, self.kernel = layer, kernel
+
+    def forward(self, x):
+        out = self.kernel(self.layer, x.reshape(-1, x.shape[-1]))
+        return self.layer(x) if out is None else out.view(*x.shape[:-1], -1)
+
+
+def with_kernel(module, kernel):
+    """A copy of the module tree whose nn.Linear layers run through `kernel`. Only the tree is copied:
+    the parameters are the model's own, so the copy computes with its weights as they are now, and the
+    model itself is left as it was (two Engines in two threads never see each other's kernel)."""
+    if isinstance(module, nn.Linear):
+        return KernelLinear(module, kernel)
+    tree = copy.copy(module)
+    tree._modules = {name: with_kernel(child, kernel) for name, child in module._modules.items()}
+    return tree
+
+
 def runs_here(name, device, dtype):
     """Whether a kernel exists for this device and dtype (the packed ones are CPU libraries)."""
     if name == "mkl":
@@ -123,11 +150,6 @@ def kernel_named(name, device, dtype):
     if not runs_here(name, device, dtype):
         raise ValueError(f"kernel {name!r} does not run on {device.type} in {str(dtype).removeprefix('torch.')}")
     return KERNELS[name]
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def tolerance(dtype):
@@ -174,7 +196,7 @@ CHOSEN = {}  # (batch, device, dtype, weight shapes) -> (name, {name: seconds or
 
 def choose(model, batch):
     """The fastest exact kernel for `batch` rows on this model's device and dtype, and what was measured."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     w = layers[0].weight
     key = (batch, w.device, w.dtype, tuple(tuple(layer.weight.shape) for layer in layers))
     if key not in CHOSEN:
@@ -264,7 +286,7 @@ class DecodeStep:
     is written in place, so a step needs no Python-side state: what torch.compile (one graph, no
     breaks) and a CUDA graph (replayed with no host work) both need. compile: torch.compile once,
     its time kept in compile_seconds, with COMPILE_OPTIONS or the inductor `options` given; the
-    compiled graph is this step's alone, and check_weights() says whether it still fits the model.
+    compiled graph is this step's alone (FastEngine refuses to run it once the weights change).
     capture (CUDA only): replay a captured graph of the step.
     """
 
@@ -272,7 +294,6 @@ class DecodeStep:
         self.model, self.cache = model, cache
         self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
-        self.weights = weights_state(model)
         if compile:
             check_compiler(cache.k.device)
             options = dict(COMPILE_OPTIONS[cache.k.device.type] if options is None else options)
@@ -291,13 +312,6 @@ class DecodeStep:
 
     def _step(self):
         return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
-
-    def check_weights(self):
-        """Refuse to run weights other than those the step was made with (a compiled step may hold them)."""
-        if len(self.weights) != len(now := weights_state(self.model)) or any(
-                p is not q or v != w for (p, v), (q, w) in zip(self.weights, now)):
-            raise ValueError("the model's weights changed after this Engine made its decode step (compile=True "
-                             "freezes them into it); make a new Engine for the new weights")
 
     def _rehearse(self, fn):
         """Run fn, then put the cache back as it was: rehearsals must not count as steps."""
@@ -324,6 +338,86 @@ class DecodeStep:
             return self.run()
         self.graph.replay()
         return self.logits
+
+
+class FastEngine(Engine):
+    """prefill_clone's Engine with its decode step made fast from outside.
+
+    kernel: the decode steps' matrix multiply: "auto" measures the exact candidates once per batch size
+    where this runs and keeps the fastest (self.chosen says which); a name fixes it. compile:
+    torch.compile the graph-safe decode step, once per batch size (inductor then picks the kernels;
+    self.compile_seconds says what it took); its cache is the full context, so one compile serves
+    every prompt and length. cuda_graph: replay each decode step as a CUDA graph (on a CPU the same
+    graph-safe step runs eagerly); with compile on CUDA the compiled step is what is captured.
+    dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache.
+    """
+
+    def __init__(self, model, tokenizer=None, kernel="auto", compile=False, dtype=torch.float32, cuda_graph=False,
+                 fill=clone_prompt):
+        device = model.emb.weight.device
+        dtype = check_dtype(dtype, device)
+        if kernel != "auto":
+            kernel_named(kernel, device, dtype)
+            if compile:
+                raise ValueError(f"kernel {kernel!r} with compile=True: inductor picks the compiled step's kernels; "
+                                 "leave kernel='auto'")
+        if compile:
+            check_compiler(device, "or make the Engine without compile=True")
+        super().__init__(model if model.emb.weight.dtype == dtype else copy.deepcopy(model).to(dtype), tokenizer, fill)
+        # a bfloat16 copy or a compiled step with frozen weights would keep running the weights of now
+        self.source, self.weights = model, weights_state(model)
+        self.kernel, self.compile, self.cuda_graph = kernel, compile, cuda_graph
+        # a compiled or graphed step is made once per batch and kept; it reads every slot of a
+        # full-context cache behind a mask, so one of them serves every prompt and length
+        self.keeps_step = compile or cuda_graph
+        self.chosen, self.kernel_models, self.steps, self.compile_seconds = {}, {}, {}, {}  # keyed by batch
+
+    def kernel_model(self, batch):
+        """self.model with its products run by the kernel measured fastest for `batch` rows (or fixed)."""
+        if batch not in self.kernel_models:
+            self.chosen[batch] = choose(self.model, batch)[0] if self.kernel == "auto" else self.kernel
+            name = self.chosen[batch]
+            self.kernel_models[batch] = self.model if name == "nn" else with_kernel(self.model, KERNELS[name])
+        return self.kernel_models[batch]
+
+    def cache_len(self, n_prompt, max_tokens):
+        return self.model.cfg.context if self.keeps_step else super().cache_len(n_prompt, max_tokens)
+
+    def decoder(self, batch, max_len):
+        """An empty cache of `batch` rows and the decode step that writes it: a graph-safe step and
+        its cache are made once per batch and kept (compiling or capturing costs more than a run)."""
+        self.check_unchanged()
+        if not self.keeps_step:
+            model, cache = self.kernel_model(batch), KVCache.for_model(self.model, batch, max_len)
+            return cache, lambda token, pos: model.step(token, cache, pos)
+        if batch not in self.steps:
+            cache = KVCache.for_model(self.model, batch, max_len)
+            model = self.model if self.compile else self.kernel_model(batch)
+            self.steps[batch] = DecodeStep(model, cache, self.compile, capture=cache.k.device.type == "cuda")
+            self.compile_seconds[batch] = self.steps[batch].compile_seconds
+        step = self.steps[batch]
+        step.cache.reset()
+        return step.cache, step
+
+    def check_unchanged(self):
+        """Refuse to run once the model's weights changed after this Engine was made: its bfloat16 copy,
+        or a compiled step with the weights frozen in, would go on running the old ones."""
+        now = weights_state(self.source)
+        if len(now) != len(self.weights) or any(p is not q or v != w for (p, v), (q, w) in zip(self.weights, now)):
+            raise ValueError("the model's weights changed after this Engine was made (its decode step or its copy "
+                             "holds the old ones); make a new Engine for the new weights")
+
+    @torch.inference_mode()
+    def prepare(self, batch):
+        """Do now what the first generate of `batch` rows would do before its first token: measure the
+        matrix multiplies, or make the kept decode step (compiling takes a minute or so). Returns the
+        seconds compiling took, 0 if nothing was compiled; a script calls it before anything it times
+        or shows an ETA for."""
+        if self.keeps_step:
+            self.decoder(batch, self.model.cfg.context)
+        else:
+            self.kernel_model(batch)
+        return self.compile_seconds.get(batch, 0.0)
 
 
 def main():

@@ -7,8 +7,9 @@ window it is a ring holding exactly the last `context` positions. Engine runs
 the prompt once (run_prompt), clones it into a batch-N cache (KVCache.prefill,
 nanochat's name) and lets every row decode on its own: its own first token
 (not one broadcast to all rows, as in nanochat), its own seeded generator,
-knobs, forced tokens and stop rule. Its decode step runs the fastest exact
-matrix multiply measured here (kernels.py), or compiled, or in bfloat16.
+knobs, forced tokens and stop rule. Speed (the fastest matrix multiply
+measured here, a compiled step, bfloat16) is kernels.FastEngine's, applied
+from outside; this Engine is the lesson.
 
     python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0 [--compile] [--dtype bfloat16]
 
@@ -17,7 +18,6 @@ against N separate runs of the same prompt, measured side by side: one Engine,
 so one decode step (compiled with --compile before anything is timed), each
 path run once untimed, then three runs each in turns.
 """
-import copy
 import operator
 import sys
 import time
@@ -26,14 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bpe import utf8_bytes
-from cached import encode_prompt, load_pair
-from cli import Parser, as_id, check_count, check_fits, run_cli, show_progress
-from kernels import KERNELS, DecodeStep, add_speed_flags, check_dtype, choose, kernel_named, speed_flags, sync
-from model import check_finite, linear_kernel
-from sampling import check_knobs, draw
+from cached import load_pair
+from checks import check_cache, check_request, prompt_ids
+from cli import Parser, as_id, check_count, run_cli, show_progress
+from model import check_finite
+from sampling import check_knobs, pick
 
-KNOBS = ["temperature", "top_k", "top_p", "penalty"]
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
                   "under any other name.")
 
@@ -46,20 +44,11 @@ def cache_bytes(batch, n_layers, max_len, n_kv_heads, head_dim, dtype=torch.floa
 class KVCache:
     def __init__(self, batch, n_layers, max_len, n_kv_heads, head_dim, context=None, dtype=torch.float32,
                  device="cpu"):
-        sizes = dict(batch=batch, n_layers=n_layers, max_len=max_len, n_kv_heads=n_kv_heads, head_dim=head_dim)
-        bad = next((k for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1), None)
-        if bad:
-            raise ValueError(f"KVCache {bad} must be a whole number >= 1, got {sizes[bad]!r}")
-        if context is not None and max_len > context:
-            # the ring keeps max_len positions and attention reads them all; past the context that
-            # would be keys the model never saw together in training
-            raise ValueError(f"a cache of {max_len} positions is longer than the context ({context}); "
-                             f"use max_len <= {context}: past it the cache is a ring")
-        check_fits(cache_bytes(batch, n_layers, max_len, n_kv_heads, head_dim, dtype),
-                   f"a cache of {batch} rows x {max_len} positions", device)
+        # the ring keeps max_len positions and attention reads them all; past the context that would
+        # be keys the model never saw together in training
+        assert context is None or max_len <= context, "a cache longer than the context"
         # k, v: nanochat's shape, as views of head-major storage (heads_k, heads_v): each head's keys
-        # are then one contiguous block, which is what attention reads every step (2x faster at batch
-        # 16 on a CPU).
+        # are then one contiguous block, which is what attention reads every step.
         storage = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.heads_k = torch.zeros(storage, dtype=dtype, device=device)
         self.heads_v = torch.zeros(storage, dtype=dtype, device=device)
@@ -112,14 +101,11 @@ class KVCache:
             self.heads_v[layer_id, self.rows, :, slot] = v[:, :, 0]
             mask = (self.slots <= start.view(B, 1)).view(B, 1, 1, L)
         elif T > 1:
-            if start != 0 or T > L:
-                raise ValueError(f"a prompt of {T} tokens at position {start} does not fit a cache of {L} positions")
+            assert start == 0 and T <= L, "a prompt goes into an empty cache that holds it"
             keys[:, :, :T], values[:, :, :T] = k, v
             keys, values = keys[:, :, :T], values[:, :, :T]
         else:
-            if start >= L and L < self.context:
-                raise ValueError(f"position {start} is past this cache's {L} positions, and a ring shorter "
-                                 f"than the context ({self.context}) would drop keys the model still sees")
+            assert start < L or L == self.context, "a ring shorter than the context would drop keys still seen"
             keys[:, :, start % L], values[:, :, start % L] = k[:, :, 0], v[:, :, 0]
             keys, values = keys[:, :, :start + 1], values[:, :, :start + 1]
         if layer == self.heads_k.shape[0] - 1:
@@ -128,17 +114,12 @@ class KVCache:
 
     def prefill(self, other):
         """Copy a batch-1 (or same-batch) cache into every row of this empty one."""
-        if bool(self.cache_seqlens.any()):
-            raise ValueError(f"prefill needs an empty cache, this one holds {self.get_pos()} positions; reset() it")
+        assert self.get_pos() == 0, "prefill needs an empty cache"
         mine, theirs = self.shape, other.shape
-        for dim in ("n_layers", "n_kv_heads", "head_dim"):
-            if mine[dim] != theirs[dim]:
-                raise ValueError(f"prefill: {dim} differs, {theirs[dim]} in the source, {mine[dim]} here")
+        assert all(mine[d] == theirs[d] for d in ("n_layers", "n_kv_heads", "head_dim")), "caches of other shapes"
+        assert theirs["batch"] in (1, mine["batch"]), "the source batch is 1 or this cache's"
         pos = other.get_pos()
-        if pos > mine["max_len"]:
-            raise ValueError(f"prefill: the source holds {pos} positions, more than max_len {mine['max_len']} here")
-        if theirs["batch"] not in (1, mine["batch"]):
-            raise ValueError(f"prefill: source batch {theirs['batch']} must be 1 or {mine['batch']}")
+        assert pos <= mine["max_len"], "the source holds more positions than this cache"
         self.k[:, :, :pos] = other.k[:, :, :pos]
         self.v[:, :, :pos] = other.v[:, :, :pos]
         self.cache_seqlens.fill_(pos)
@@ -157,8 +138,6 @@ class LayerView:
 def cache_len(model, n_prompt, n_tokens):
     """nanochat sizes the cache to prompt + max_tokens; past the window it is a ring of `context`."""
     ctx = model.cfg.context
-    if n_prompt > ctx:
-        raise ValueError(f"a prompt of {n_prompt} tokens is longer than the cache (context {ctx}); trim it")
     return ctx if n_tokens is None else min(ctx, n_prompt + n_tokens)
 
 
@@ -197,101 +176,36 @@ class RowState:
 class Engine:
     """Generate N rows from one prompt: one run of the prompt (cloned by default), then one decode step per token.
 
-    kernel: the decode steps' matrix multiply (kernels.py): "auto" measures the exact candidates once
-    per batch size where this runs and keeps the fastest (self.chosen says which); a name fixes it.
-    compile: torch.compile the graph-safe decode step, once per batch size (inductor then picks the
-    kernels; self.compile_seconds says what it took); its cache is the full context, so one compile
-    serves every prompt and length. cuda_graph: replay each decode step as a CUDA graph (on a CPU the
-    same graph-safe step runs eagerly); with compile on CUDA the compiled step is what is captured.
-    dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache.
-    fill: how the N rows get the prompt (clone_prompt or prompt_per_row).
-    """
+    fill: how the N rows get the prompt (clone_prompt, or prompt_per_row to compare with)."""
 
-    def __init__(self, model, tokenizer=None, kernel="auto", compile=False, dtype=torch.float32, cuda_graph=False,
-                 fill=clone_prompt):
-        device = model.emb.weight.device
-        dtype = check_dtype(dtype, device)
-        if kernel != "auto":
-            kernel_named(kernel, device, dtype)
-            if compile:
-                raise ValueError(f"kernel {kernel!r} with compile=True: inductor picks the compiled step's kernels; "
-                                 "leave kernel='auto'")
-        self.model = model if model.emb.weight.dtype == dtype else copy.deepcopy(model).to(dtype)
-        self.tokenizer, self.kernel, self.fill = tokenizer, kernel, fill
-        self.compile, self.cuda_graph = compile, cuda_graph
-        # a compiled or graphed step is made once per batch and kept; it reads every slot of a
-        # full-context cache behind a mask, so one of them serves every prompt and length
-        self.keeps_step = compile or cuda_graph
+    def __init__(self, model, tokenizer=None, fill=clone_prompt):
+        self.model, self.tokenizer, self.fill = model, tokenizer, fill
         self.rows, self.busy = [], False
-        self.vocab_size = model.cfg.vocab_size
-        self.chosen, self.steps, self.compile_seconds = {}, {}, {}  # each keyed by batch size
 
-    def _kernel(self, batch):
-        """The matrix multiply for a decode step of `batch` rows, measured once per batch if "auto"."""
-        if self.compile:
-            return None
-        if batch not in self.chosen:
-            self.chosen[batch] = choose(self.model, batch)[0] if self.kernel == "auto" else self.kernel
-        return None if self.chosen[batch] == "nn" else KERNELS[self.chosen[batch]]
+    def cache_len(self, n_prompt, max_tokens):
+        return cache_len(self.model, n_prompt, max_tokens)
 
-    def _decoder(self, batch, max_len):
-        """An empty cache of `batch` rows and the decode step that writes it: a graph-safe step and
-        its cache are made once per batch and kept (compiling or capturing costs more than a run)."""
-        if not self.keeps_step:
-            cache = KVCache.for_model(self.model, batch, max_len)
-            return cache, lambda token, pos: self.model.step(token, cache, pos)
-        if batch not in self.steps:
-            cache = KVCache.for_model(self.model, batch, max_len)
-            capture = cache.k.device.type == "cuda"
-            with linear_kernel(self._kernel(batch)):
-                self.steps[batch] = DecodeStep(self.model, cache, self.compile, capture)
-            self.compile_seconds[batch] = self.steps[batch].compile_seconds
-        step = self.steps[batch]
-        step.check_weights()
-        step.cache.reset()
-        return step.cache, step
+    def decoder(self, batch, max_len):
+        """An empty cache of `batch` rows and the decode step that writes it."""
+        cache = KVCache.for_model(self.model, batch, max_len)
+        return cache, lambda token, pos: self.model.step(token, cache, pos)
 
-    @torch.inference_mode()
-    def prepare(self, batch):
-        """Do now what the first generate of `batch` rows would do before its first token: measure the
-        matrix multiplies, or make the kept decode step (compiling takes a minute or so). Returns the
-        seconds compiling took, 0 if nothing was compiled; a script calls it before anything it times
-        or shows an ETA for."""
-        if self.keeps_step:
-            self._decoder(batch, self.model.cfg.context)
-        else:
-            self._kernel(batch)
-        return self.compile_seconds.get(batch, 0.0)
+    def generate(self, tokens, num_samples=1, max_tokens=None, seed=42, stop=None, forced=None, **knobs):
+        """Yield (token_column, token_masks) each step: mask 1 sampled, 0 forced, None once a row completed.
 
-    def _row_settings(self, num_samples, seed, knobs):
-        if isinstance(seed, (list, tuple)):
-            seeds = [as_id(s, "seed", 2**64, "the seeds") for s in seed]
-        else:  # row i draws with seed + i
-            seeds = [as_id(seed, "seed", 2**64 - num_samples + 1, "the seeds") + i for i in range(num_samples)]
-        settings = knobs.pop("settings", None)
-        if settings is not None and knobs:
-            raise ValueError(f"give the knobs either shared ({sorted(knobs)}) or per row in settings, not both")
-        settings = [knobs] * num_samples if settings is None else list(settings)
-        for name, got in (("seed", seeds), ("settings", settings)):
-            if len(got) != num_samples:
-                raise ValueError(f"{name} is a list of {len(got)}, but num_samples is {num_samples}")
-        for s in settings:
-            unknown = sorted(set(s) - set(KNOBS)) if isinstance(s, dict) else ["settings must be dicts"]
-            if unknown:
-                raise ValueError(f"unknown sampling knob {unknown[0]!r}; the knobs are {KNOBS}")
-            check_knobs(**s)
+        knobs are sampling.pick's, shared by all rows or settings=[{...}, ...] one per row. Row i draws
+        from a generator seeded seed + i (or seed[i]). forced=[[ids], ...] queues tokens a row takes
+        before it samples; self.rows[i].forced_tokens can be appended to between steps. Every argument
+        is checked here, before the first step (checks.check_request).
+        """
+        tokens, seeds, settings, stop_ids, stop_texts, forced = check_request(
+            self, tokens, num_samples, max_tokens, seed, stop, forced, knobs)
         device = self.model.emb.weight.device
-        return [torch.Generator(device).manual_seed(s) for s in seeds], settings
+        generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+        rows = [RowState(list(tokens), len(tokens), deque(f)) for f in forced]
+        return self._run(rows, generators, settings, self.stop_rule(stop_ids, stop_texts), max_tokens)
 
-    def _stop_rule(self, stop):
-        stops = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
-        texts = [utf8_bytes(s) for s in stops if isinstance(s, str)]
-        ids = {as_id(s, "stop token id", self.vocab_size) for s in stops if not isinstance(s, str)}
-        if texts and self.tokenizer is None:
-            raise ValueError("stop strings need Engine(model, tokenizer)")
-        if b"" in texts:
-            raise ValueError("a stop string is empty; it would end every row at once")
-
+    def stop_rule(self, ids, texts):
         def stops_at(row, token):
             # A stop text of L bytes first appears ending in the newest token, and spans at most
             # the last L tokens (each is at least one byte): match those tokens' bytes, at any length.
@@ -300,51 +214,18 @@ class Engine:
         return stops_at
 
     def sample(self, logits, history, generators, settings):
-        """One token per row (B,): the rows that share knobs are scored as one batch (row by row, so each
-        row gets the scores it would alone), and each row draws with its own generator."""
-        if all(s == settings[0] for s in settings):
-            return draw(logits, history=history, generator=generators, **settings[0])
+        """One token per row (B,): the rows that share knobs are picked as one batch, each row drawing
+        with its own generator, so each gets what it would alone."""
         tokens = torch.empty(len(settings), dtype=torch.long, device=logits.device)
         for knobs in map(dict, {tuple(sorted(s.items())) for s in settings}):
             rows = [i for i, s in enumerate(settings) if s == knobs]
             at = torch.tensor(rows, device=logits.device)
-            tokens[at] = draw(logits[at], history=None if history is None else history[at],
+            tokens[at] = pick(logits[at], history=None if history is None else history[at],
                               generator=[generators[i] for i in rows], **knobs)
         return tokens
 
-    def generate(self, tokens, num_samples=1, max_tokens=None, seed=42, stop=None, forced=None, **knobs):
-        """Yield (token_column, token_masks) each step: mask 1 sampled, 0 forced, None once a row completed.
-
-        knobs are sampling.pick's, checked once here, shared by all rows or settings=[{...}, ...] one
-        per row. Row i draws from a generator seeded seed + i (or seed[i]). forced=[[ids], ...] queues
-        tokens a row takes before it samples; self.rows[i].forced_tokens can be appended to between steps.
-        """
-        vocab = self.model.cfg.vocab_size
-        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
-            raise ValueError("the prompt must be a non-empty list of token ids")
-        tokens = [as_id(t, "prompt token", vocab) for t in tokens]
-        num_samples = as_id(num_samples, "num_samples", 2**63, "the counts")
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be a whole number >= 1, got {num_samples}")
-        if max_tokens is not None:
-            check_count("max_tokens", max_tokens)
-        max_len, cfg, w = cache_len(self.model, len(tokens), max_tokens), self.model.cfg, self.model.emb.weight
-        if self.keeps_step:
-            max_len = cfg.context
-        # before the rows' own state is built: a batch too big for memory is refused here, with its size
-        check_fits(cache_bytes(num_samples, cfg.n_layers, max_len, cfg.n_kv_heads, cfg.head_dim, w.dtype),
-                   f"a cache of {num_samples} rows x {max_len} positions", w.device)
-        generators, settings = self._row_settings(num_samples, seed, knobs)
-        stops_at = self._stop_rule(stop)
-        forced = [[]] * num_samples if forced is None else list(forced)
-        if len(forced) != num_samples or not all(isinstance(f, (list, tuple)) for f in forced):
-            raise ValueError(f"forced must be one list of ids per row ({num_samples} lists), got {forced!r:.60}")
-        rows = [RowState(list(tokens), len(tokens), deque(as_id(t, f"forced token for row {i}:", vocab) for t in f))
-                for i, f in enumerate(forced)]
-        return self._run(rows, generators, settings, stops_at, max_tokens, max_len)
-
     @torch.inference_mode()
-    def _run(self, rows, generators, settings, stops_at, max_tokens, max_len):
+    def _run(self, rows, generators, settings, stops_at, max_tokens):
         if self.busy:
             raise ValueError("this Engine is already generating; finish or close that generator, or use another Engine")
         self.busy, self.rows = True, rows
@@ -353,13 +234,12 @@ class Engine:
                 return
             device = self.model.emb.weight.device
             prompt = torch.tensor([rows[0].tokens], device=device)
-            cache, step = self._decoder(len(rows), max_len)
+            cache, step = self.decoder(len(rows), self.cache_len(prompt.shape[1], max_tokens))
             logits = self.fill(self.model, prompt, cache)
-            kernel = self._kernel(len(rows))
             # only the repetition penalty reads the tokens so far; keep them only for it
             history = prompt.expand(len(rows), -1) if any(s.get("penalty", 1.0) != 1.0 for s in settings) else None
             pos = prompt.shape[1]
-            for n in range(1, max_tokens + 1 if max_tokens is not None else 2**63):
+            for n in range(1, max_tokens + 1):
                 sampled = self.sample(check_finite(logits, n - 1), history, generators, settings).tolist()
                 column, masks = [], []
                 for i, (row, token) in enumerate(zip(rows, sampled)):
@@ -369,7 +249,8 @@ class Engine:
                         continue
                     is_forced = bool(row.forced_tokens)
                     if is_forced:  # checked here too: forced_tokens may have been appended to between steps
-                        token = as_id(row.forced_tokens.popleft(), f"forced token for row {i}:", self.vocab_size)
+                        token = as_id(row.forced_tokens.popleft(), f"forced token for row {i}:",
+                                      self.model.cfg.vocab_size)
                     row.tokens.append(token)
                     row.completed = stops_at(row, token)
                     column.append(token)
@@ -379,8 +260,7 @@ class Engine:
                     return  # no step for the last token: nothing would read its logits
                 feed = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
                 history = None if history is None else torch.cat((history, feed), dim=1)
-                with linear_kernel(kernel):  # on only inside the step, never across a yield
-                    logits = step(feed, pos)
+                logits = step(feed, pos)
                 pos += 1
         finally:
             self.busy = False
@@ -388,9 +268,7 @@ class Engine:
     def generate_batch(self, tokens, num_samples=1, progress=None, **kwargs):
         """Run generate to the end; return each row's new tokens and their masks.
 
-        progress: a label, to show a progress line on stderr (needs max_tokens)."""
-        if progress and kwargs.get("max_tokens") is None:
-            raise ValueError("a progress line needs max_tokens, to know how far the run has to go")
+        progress: a label, to show a progress line on stderr."""
         steps = self.generate(tokens, num_samples, **kwargs)  # every input checked before the first step
         n, started = operator.index(num_samples), time.time()
         results, masks = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -402,6 +280,12 @@ class Engine:
                     results[i].append(token)
                     masks[i].append(mask)
         return results, masks
+
+
+def sync(device):
+    """Wait for the GPU's queued work, so a timing covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def timed_generation(engine, tokens, n, n_tokens, progress=None, **kwargs):
@@ -421,6 +305,7 @@ def timed_generation(engine, tokens, n, n_tokens, progress=None, **kwargs):
 
 
 def main():
+    from kernels import FastEngine, add_speed_flags, speed_flags  # speed, applied from outside the lesson
     ap = Parser(description="One prefill, N samples: nanochat's prefill-and-clone trick.")
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
@@ -443,12 +328,12 @@ def main():
     check_knobs(**knobs)
     speed = speed_flags(args)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
-    tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
-    KVCache.for_model(model, args.n, cache_len(model, len(tokens), args.tokens))  # refuses a cache too big, early
+    tokens = prompt_ids(tokenizer, args.prompt, model)[0].tolist()
+    check_cache(model, args.n, model.cfg.context if args.compile else cache_len(model, len(tokens), args.tokens))
 
     # one Engine, so both paths run the same decode step; it is compiled, and each path run once, before
     # anything is timed, and the paths take turns, so a neighbour's load falls on both alike
-    engine, fills = Engine(model, tokenizer, **speed), {"clone": clone_prompt, "separate": prompt_per_row}
+    engine, fills = FastEngine(model, tokenizer, **speed), {"clone": clone_prompt, "separate": prompt_per_row}
     if args.compile:
         print(f"compiling the decode step for {args.n} rows (a minute or so)", file=sys.stderr)
     compile_seconds = engine.prepare(args.n)

@@ -1,22 +1,22 @@
 """One checkpoint, one prompt, eight sampling settings, side by side.
 
-The eight settings run as eight rows of one prefill (prefill_clone.Engine),
+The eight settings run as eight rows of one prefill (prefill_clone's Engine),
 each row with its own generator seeded the same, so every row is what that
 setting gives alone, and every run on the CPU prints the same text.
 
     python sample_grid.py [CHECKPOINT] [PROMPT] --tokens 60 --seed 1 [--compile] [--dtype bfloat16]
 
 --compile and --dtype run the Engine's decode step compiled or in lower
-precision (prefill_clone.Engine's compile and dtype); the text is the same
+precision (kernels.FastEngine's compile and dtype); the text is the same
 compiled, and may part from float32's in bfloat16. Compiling comes first,
 and its time is printed last.
 """
 import sys
 
-from cached import encode_prompt, load_pair
+from cached import load_pair
+from checks import prompt_ids
 from cli import Parser, check_count, run_cli
-from kernels import add_speed_flags, speed_flags
-from prefill_clone import Engine
+from kernels import FastEngine, add_speed_flags, speed_flags
 
 SETTINGS = {
     "greedy": dict(temperature=0),
@@ -33,7 +33,7 @@ SETTINGS = {
 def grid(model, tokens, n_tokens, seed, progress=None, **engine):
     """Each setting's new tokens, all eight rows from one run of the prompt, and the seconds compiling the
     decode step took (0 unless compiled, and not in the progress line's ETA); engine: Engine's compile, dtype."""
-    engine = Engine(model, **engine)
+    engine = FastEngine(model, **engine)
     if engine.compile and progress:
         print(f"compiling the decode step for {len(SETTINGS)} rows (a minute or so)", file=sys.stderr)
     compile_seconds = engine.prepare(len(SETTINGS))
@@ -57,7 +57,7 @@ def main():
         raise ValueError(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
     speed = speed_flags(args)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
-    tokens = encode_prompt(tokenizer, args.prompt, model)[0].tolist()
+    tokens = prompt_ids(tokenizer, args.prompt, model)[0].tolist()
     rows, compile_seconds = grid(model, tokens, args.tokens, args.seed, "tokens", **speed)
     for name, row in rows.items():
         print(f"=== {name}")

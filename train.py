@@ -23,7 +23,8 @@ import torch
 
 from bpe import BPE, read_corpus
 from cli import Parser, atomic_write, check_input, check_output, device_from, run_cli, show_progress
-from model import GPT, Config, save_checkpoint
+from checks import save_checkpoint
+from model import GPT, Config
 
 BATCH = 32
 CACHE_DIR = "data"

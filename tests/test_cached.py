@@ -12,7 +12,8 @@ import model as model_py
 from bpe import BPE
 from cached import CachedGPT, LayerCache, TrimAfter, drift, exact_tokens, load
 from cli import run_cli
-from model import GPT, Config, rope_at, save_checkpoint
+from checks import save_checkpoint
+from model import GPT, Config, rope_at
 from prefill_clone import KVCache
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)

@@ -21,7 +21,8 @@ from bpe import BPE
 from cached import CachedGPT, load
 from export import SAMPLE, load_folder, rope_layout, write_folder
 from cli import run_cli
-from model import Config, save_checkpoint
+from checks import save_checkpoint
+from model import Config
 
 ODD_TEXTS = [
     SAMPLE,

@@ -8,8 +8,8 @@ import torch
 
 import kernels
 from cached import CachedGPT
-from kernels import KERNELS, choose, measure
-from model import Config, Linear, linear_kernel
+from kernels import KERNELS, FastEngine, KernelLinear, choose, measure, with_kernel
+from model import Config
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 
@@ -28,8 +28,8 @@ def test_every_kernel_computes_the_product_through_the_models_linear(name, bias,
     block = CachedGPT(SMALL).eval().blocks[0]
     layer = block.mlp[0] if bias else block.attn.qkv
     x = torch.randn(rows, 1, layer.in_features)
-    with torch.inference_mode(), linear_kernel(KERNELS[name]):
-        got = layer(x)
+    with torch.inference_mode():
+        got = KernelLinear(layer, KERNELS[name])(x)
     assert got.shape == (rows, 1, layer.out_features) and got.is_contiguous()
     torch.testing.assert_close(got, float64_product(layer, x), rtol=1e-5, atol=1e-5)
 
@@ -38,10 +38,22 @@ def test_a_kernels_reordered_weight_follows_the_weight_when_it_changes():
     torch.manual_seed(0)
     layer = CachedGPT(SMALL).blocks[0].mlp[2]
     x = torch.randn(2, layer.in_features)
-    with linear_kernel(KERNELS["transposed"]), torch.no_grad():
-        layer(x)
+    fast = KernelLinear(layer, KERNELS["transposed"])
+    with torch.no_grad():
+        fast(x)
         layer.weight.mul_(2)  # what an optimizer step does: in place
-        torch.testing.assert_close(layer(x), float64_product(layer, x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast(x), float64_product(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_runs_on_a_copy_of_the_tree_that_shares_the_weights_and_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = CachedGPT(SMALL).eval()
+    fast = with_kernel(model, KERNELS["transposed"])
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if "Linear" in type(m).__name__)
+    assert [p.data_ptr() for p in fast.parameters()] == [p.data_ptr() for p in model.parameters()]
+    idx = torch.randint(SMALL.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(idx)[0], model(idx)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_fast_kernel_that_is_not_exact_is_never_chosen(monkeypatch):
@@ -49,7 +61,7 @@ def test_a_fast_kernel_that_is_not_exact_is_never_chosen(monkeypatch):
     wrong = lambda layer, rows: torch.zeros(rows.shape[0], layer.out_features)  # fastest, and wrong
     monkeypatch.setitem(KERNELS, "wrong", wrong)
     monkeypatch.setattr(kernels, "CHOSEN", {})
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     measured = measure(layers, 2)
     assert measured["wrong"] is None and all(t > 0 for n, t in measured.items() if n != "wrong")
     assert choose(model, 2)[0] not in ("wrong", None)
@@ -80,7 +92,7 @@ def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything
     from prefill_clone import Engine
     with pytest.raises(ValueError, match=r"\(no-such-c\+\+\), and there is none here; install one "
                                          r"\(apt-get install g\+\+\) or name one in CXX, or leave out --compile"):
-        Engine(CachedGPT(SMALL).eval(), compile=True).generate_batch([1, 2], 2, max_tokens=3)
+        FastEngine(CachedGPT(SMALL).eval(), compile=True).generate_batch([1, 2], 2, max_tokens=3)
     run = subprocess.run([sys.executable, "sample_grid.py", "--compile"], capture_output=True, text=True,
                          env={**os.environ, "CXX": "no-such-c++"})
     assert run.returncode == 1 and run.stdout == ""

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import model
 from cli import device_from
-from model import GPT, Config, check_finite, load_checkpoint, parameter_count, save_checkpoint
+from checks import load_checkpoint, parameter_count, save_checkpoint
+from model import GPT, Config, check_finite
 from test_bpe import assert_refused, run_main
 
 PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}

@@ -8,7 +8,7 @@ import torch
 from cached import CachedGPT, LayerCache
 import prefill_clone
 from cli import run_cli
-from kernels import KERNELS, compiler_missing
+from kernels import KERNELS, FastEngine, compiler_missing
 from model import Config
 from prefill_clone import Engine, KVCache, clone_prompt, prompt_per_row, run_prompt
 from sampling import picker
@@ -38,29 +38,24 @@ def test_prefill_copies_the_source_into_every_row_exactly():
     assert many.get_pos() == 0
 
 
-@pytest.mark.parametrize("target, message", [
-    (dict(batch=3, n_layers=3), "n_layers differs, 2 in the source, 3 here"),
-    (dict(batch=3, n_kv_heads=2), "n_kv_heads differs, 4 in the source, 2 here"),
-    (dict(batch=3, head_dim=8), "head_dim differs, 16 in the source, 8 here"),
-    (dict(batch=3, max_len=4), "holds 5 positions, more than max_len 4"),
-])
-def test_prefill_refuses_a_cache_of_another_shape(target, message):
+@pytest.mark.parametrize("target", [dict(n_layers=3), dict(n_kv_heads=2), dict(head_dim=8), dict(max_len=4)])
+def test_prefill_asserts_a_cache_of_the_same_shape_that_holds_the_source(target):
     model = small()
     _, one = run_prompt(model, torch.tensor([PROMPT]), 8)
     shape = dict(batch=3, n_layers=2, max_len=20, n_kv_heads=4, head_dim=16) | target
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(AssertionError):
         KVCache(**shape).prefill(one)
 
 
-def test_prefill_refuses_a_full_cache_and_a_source_batch_that_is_not_1_or_equal():
+def test_prefill_asserts_an_empty_cache_and_a_source_batch_of_1_or_equal():
     model = small()
     _, one = run_prompt(model, torch.tensor([PROMPT]), 8)
     _, two = run_prompt(model, torch.tensor([PROMPT, PROMPT]), 8)
     many = KVCache.for_model(model, 3, 20)
-    with pytest.raises(ValueError, match="source batch 2 must be 1 or 3"):
+    with pytest.raises(AssertionError, match="the source batch is 1 or this cache's"):
         many.prefill(two)
     many.prefill(one)
-    with pytest.raises(ValueError, match="needs an empty cache, this one holds 5"):
+    with pytest.raises(AssertionError, match="prefill needs an empty cache"):
         many.prefill(one)
 
 
@@ -70,7 +65,7 @@ def test_engine_greedy_rows_equal_cached_py_past_the_window_with_every_kernel(ke
     model = small()
     expected = model.generate_cached(torch.tensor([PROMPT]), 60)[0, len(PROMPT):].tolist()
     for n in (1, 3):  # a lone row (the lone-row kernels) and several
-        engine = Engine(model, kernel=kernel, cuda_graph=graph)
+        engine = FastEngine(model, kernel=kernel, cuda_graph=graph)
         rows, _ = engine.generate_batch(PROMPT, n, max_tokens=60, temperature=0)
         assert rows == [expected] * n and engine.chosen[n] in KERNELS
 
@@ -262,7 +257,7 @@ def test_a_ring_shorter_than_the_context_refuses_to_wrap():
     with torch.inference_mode():
         for pos in range(5, 8):
             model.step(torch.tensor([[1]]), cache, pos)
-        with pytest.raises(ValueError, match="past this cache's 8 positions"):
+        with pytest.raises(AssertionError, match="a ring shorter than the context would drop keys still seen"):
             model.step(torch.tensor([[1]]), cache, 8)
 
 
@@ -304,7 +299,7 @@ def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, mon
     (dict(stop=""), "a stop string is empty; it would end every row at once"),
     (dict(stop=["the", ""]), "a stop string is empty"),
     (dict(stop="\ud800"), "cannot be UTF-8 encoded"),
-    (dict(max_tokens=None, progress="tokens"), "a progress line needs max_tokens"),
+    (dict(max_tokens=None), "give max_tokens: without a bound, a row that never meets a stop would generate forever"),
 ])
 def test_ill_typed_calls_are_refused_by_name(call, message):
     args = dict(tokens=PROMPT, num_samples=1, max_tokens=4) | call
@@ -312,20 +307,8 @@ def test_ill_typed_calls_are_refused_by_name(call, message):
         Engine(small(), tokenizer=object()).generate_batch(**args)
 
 
-@pytest.mark.parametrize("sizes, message", [
-    (dict(batch=-1), "KVCache batch must be a whole number >= 1, got -1"),
-    (dict(max_len=0), "KVCache max_len must be a whole number >= 1, got 0"),
-    (dict(head_dim=2.0), "KVCache head_dim must be a whole number >= 1, got 2.0"),
-    (dict(max_len=64, context=32), r"a cache of 64 positions is longer than the context \(32\)"),
-])
-def test_a_cache_that_cannot_be_honoured_is_refused(sizes, message):
-    args = dict(batch=1, n_layers=2, max_len=8, n_kv_heads=4, head_dim=16) | sizes
-    with pytest.raises(ValueError, match=message):
-        KVCache(**args)
-
-
 def test_a_cache_for_a_model_is_never_longer_than_its_window():
-    with pytest.raises(ValueError, match=r"a cache of 512 positions is longer than the context \(32\)"):
+    with pytest.raises(AssertionError, match="a cache longer than the context"):
         KVCache.for_model(small(), 1, 512)
 
 
@@ -374,7 +357,7 @@ def test_compiled_engine_gives_the_eager_tokens_compiles_once_per_batch_and_neve
         if seed == 1:  # the first Engine froze the old weights into its step: it must refuse, not run them
             with pytest.raises(ValueError, match="weights changed after this Engine made its decode step"):
                 engine.generate_batch(PROMPT, 2, max_tokens=3)
-        engine = Engine(model, compile=True)
+        engine = FastEngine(model, compile=True)
         for prompt, n in ((PROMPT, 12), (PROMPT[:3], 5)):  # one compile serves every prompt and length
             for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
                 eager = Engine(model).generate_batch(prompt, 2, max_tokens=n, **knobs)[0]
@@ -386,7 +369,7 @@ def test_compiled_engine_gives_the_eager_tokens_compiles_once_per_batch_and_neve
 
 def test_bf16_engine_runs_a_bf16_copy_and_leaves_the_model_as_it_was():
     model = small()
-    engine = Engine(model, dtype=torch.bfloat16)
+    engine = FastEngine(model, dtype=torch.bfloat16)
     rows, _ = engine.generate_batch(PROMPT, 3, max_tokens=20, temperature=0)
     assert engine.model.emb.weight.dtype == torch.bfloat16 and model.emb.weight.dtype == torch.float32
     assert engine.model.head.weight is engine.model.emb.weight  # still tied
@@ -405,5 +388,5 @@ def test_bf16_engine_runs_a_bf16_copy_and_leaves_the_model_as_it_was():
 ])
 def test_bad_engine_settings_are_refused_in_one_line(engine, message):
     with pytest.raises(ValueError, match=message) as refused:
-        Engine(small(), **engine)
+        FastEngine(small(), **engine)
     assert len(str(refused.value).splitlines()) == 1

@@ -11,7 +11,7 @@ import cached
 import model as model_py
 from bpe import BPE
 from cached import CachedGPT, Config, TrimAfter, load
-from model import load_checkpoint
+from checks import load_checkpoint
 from sample_grid import SETTINGS
 from sampling import pick
 

@@ -14,7 +14,8 @@ import torch
 import train as train_module
 from bpe import BPE
 from cli import check_output
-from model import GPT, Config, load_checkpoint
+from checks import load_checkpoint
+from model import GPT, Config
 from test_bpe import INPUTS, ROOT, assert_refused, run_main, sha256, shipped_unchanged, special_input  # noqa: F401
 from train import lr_at
 

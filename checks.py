@@ -1,0 +1,267 @@
+"""What every script and the Engine check once, at the edge, before any work; and the checkpoint file.
+
+The model, the caches and the loops trust what they are given (a bare assert
+at most, for a programmer's error); a user's input is checked here, once,
+with one-line errors naming what is wrong and what to do: a checkpoint and
+its config, a tokenizer beside it, the Engine's arguments. docs/refuses.md
+lists every promise.
+"""
+import os
+import sys
+import warnings
+import zipfile
+from dataclasses import fields
+
+import torch
+
+from bpe import BPE, utf8_bytes
+from cli import as_id, atomic_write, check_count, check_fits, check_input, device_from
+from model import GPT, Config
+from sampling import check_knobs
+
+
+# Checkpoints: Part 3's format, read as data and checked before anything is built
+
+MAX_CHECKPOINT_BYTES = 2**34  # 16 GiB: a model this repo can run on a laptop is far smaller
+
+
+def check_archive(path):
+    """torch.save's zip, checked before torch reads it: every entry stored as it is (torch.save compresses
+    none, and a compressed entry can inflate to any size) and every entry's CRC right (torch never checks
+    them, so one flipped bit in a weight would load and quietly generate other text)."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        return  # not a zip: torch.load says what it is
+    with archive:
+        packed = next((i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
+        if packed:
+            raise ValueError(f"{path}: entry {packed!r} is compressed, which torch.save never does; "
+                             "this file was not written by torch.save")
+        damaged = archive.testzip()
+    if damaged:
+        raise ValueError(f"{path} is damaged: entry {damaged!r} fails its checksum; copy or download it again")
+
+
+def read_checkpoint(path):
+    """The checkpoint's dict, loaded as data (weights_only), or a one-line error."""
+    check_input(path, "checkpoint", MAX_CHECKPOINT_BYTES, "pass a Part 3 .pt file or train one")
+    check_fits(os.path.getsize(path), f"checkpoint {path}", "cpu")
+    check_archive(path)
+    try:
+        with warnings.catch_warnings():  # torch's pickle-protocol warning would break the one-line error
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        if "Weights only load failed" in str(e):
+            raise ValueError(f"{path} is not a plain-tensor checkpoint: it is not a torch.save file, or it holds "
+                             "code or objects that are not plain tensors and must not be loaded") from None
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} is not a loadable checkpoint ({first_line})") from None
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict) and isinstance(ckpt.get("config"), dict)):
+        raise ValueError(f"{path} is not a Part 3 checkpoint: expected a dict with 'model' (state dict) and 'config'")
+    for part in ("model", "config"):
+        odd = next((k for k in ckpt[part] if not isinstance(k, str)), None)
+        if odd is not None:
+            raise ValueError(f"{path}: its {part} dict has a key {odd!r} that is not a name; "
+                             "is this a Part 3 checkpoint?")
+    return ckpt
+
+
+PART3_FIELDS = ("vocab_size", "d_model", "n_heads", "n_layers", "context", "dropout")
+MODULE_BYTES = 2**16  # what the Python objects of one block cost beyond its weights, roughly
+
+
+def parameter_count(cfg):
+    """The weights a Config asks for (tied head counted once), computed without building anything."""
+    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    block = d * (d + 2 * kv) + d * d + 2 * (4 * d * d) + 4 * d + d + 4 * d
+    return cfg.vocab_size * d + cfg.n_layers * block + 2 * d
+
+
+def check_config(cfg):
+    """Every Config value a model can be built from, named when it is not."""
+    sizes = {f: getattr(cfg, f) for f in ("vocab_size", "d_model", "n_heads", "n_layers", "context", "n_kv_heads")}
+    bad = next((f for f, v in sizes.items() if type(v) is not int or v < 1), None)
+    if bad:
+        raise ValueError(f"config {bad} is {sizes[bad]!r}; expected a whole number >= 1")
+    if type(cfg.dropout) not in (int, float) or not 0 <= cfg.dropout < 1:
+        raise ValueError(f"config dropout is {cfg.dropout!r}; expected a number in [0, 1)")
+    if cfg.d_model % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"d_model ({cfg.d_model}) must divide by n_heads ({cfg.n_heads}) "
+                         f"and n_heads by n_kv_heads ({cfg.n_kv_heads})")
+    if cfg.head_dim % 2:
+        raise ValueError(f"head_dim d_model / n_heads = {cfg.head_dim} is odd; RoPE turns channel pairs")
+    return cfg
+
+
+def config_from(d, path="checkpoint"):
+    """A Config from a checkpoint's config dict: Part 3's six fields, each present (a missing one would
+    silently take a default and build another model), no unknown field, and a model that fits memory."""
+    known = [f.name for f in fields(Config)]
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ValueError(f"{path}: unknown config field {unknown[0]!r}; known fields are {known}")
+    missing = [f for f in PART3_FIELDS if f not in d]
+    if missing:
+        raise ValueError(f"{path}: its config lacks {missing[0]!r}; a checkpoint's config holds all of "
+                         f"{list(PART3_FIELDS)} (and n_kv_heads when it differs from n_heads)")
+    if "n_kv_heads" in d and d["n_kv_heads"] in (0, False):
+        raise ValueError(f"{path}: config n_kv_heads is {d['n_kv_heads']!r}; expected a whole number >= 1")
+    try:
+        cfg = check_config(Config(**d))
+    except (ValueError, TypeError, ZeroDivisionError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    check_fits(4 * parameter_count(cfg) + MODULE_BYTES * cfg.n_layers,
+               f"{path}: the model its config describes ({cfg.n_layers} layers of width {cfg.d_model}, "
+               f"vocabulary {cfg.vocab_size})", "cpu")
+    return cfg
+
+
+def check_state_dict(given, expected, path):
+    """Every weight the model needs, a dense finite float tensor of the right shape, and no other."""
+    for key, want in expected.items():
+        got = given.get(key)
+        if got is None:
+            raise ValueError(f"{path}: weight {key!r} is missing; is this a Part 3 checkpoint?")
+        if not isinstance(got, torch.Tensor):
+            raise ValueError(f"{path}: weight {key!r} is a {type(got).__name__}, not a tensor")
+        if got.layout != torch.strided or got.is_meta:
+            raise ValueError(f"{path}: weight {key!r} is a {got.layout} {got.device.type} tensor; "
+                             "a checkpoint holds dense tensors with values")
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(f"{path}: weight {key!r} has shape {tuple(got.shape)} "
+                             f"but the config needs {tuple(want.shape)}")
+        if not got.is_floating_point() or not torch.isfinite(got).all():
+            raise ValueError(f"{path}: weight {key!r} holds NaN, infinite or non-float values; "
+                             "this checkpoint cannot give meaningful output")
+    extra = sorted(set(given) - set(expected))
+    if extra:
+        raise ValueError(f"{path}: unexpected weight {extra[0]!r}; is this a Part 3 checkpoint?")
+    if not torch.equal(given["head.weight"], given["emb.weight"]):
+        # the model ties the two: loading would keep one and silently drop the other
+        raise ValueError(f"{path}: head.weight differs from emb.weight, but Part 3's model ties them (one matrix); "
+                         "this checkpoint is of another model")
+
+
+def load_checkpoint(path, device="cpu", cls=GPT):
+    """A model from a Part 3 checkpoint, in eval mode on `device`; config and weights checked
+    (against a model built on the meta device, which allocates nothing) before anything is built."""
+    device = device_from(device) if isinstance(device, str) else device
+    ckpt = read_checkpoint(path)
+    cfg = config_from(ckpt["config"], path)
+    with torch.device("meta"):
+        expected = cls(cfg).state_dict()
+    check_state_dict(ckpt["model"], expected, path)
+    model = cls(cfg)
+    model.load_state_dict(ckpt["model"], strict=True)
+    model.trained_with = ckpt.get("tokenizer")  # what save_checkpoint recorded of the tokenizer, if anything
+    return model.to(device).eval()
+
+
+def part3_config(cfg):
+    """The config dict a checkpoint holds: Part 3's six fields, n_kv_heads only when it is not n_heads,
+    so Part 3's own loader (Config(**ckpt["config"]) on a six-field dataclass) reads what this repo writes."""
+    d = {name: getattr(cfg, name) for name in PART3_FIELDS}
+    return d | ({"n_kv_heads": cfg.n_kv_heads} if cfg.n_kv_heads != cfg.n_heads else {})
+
+
+def save_checkpoint(model, path, step, tokenizer=None, force=False):
+    """Part 3's checkpoint format, through a new temporary file and a rename, so a cut run leaves no half file.
+
+    tokenizer: what bpe.BPE.record() says of the tokenizer it was trained with; kept beside
+    the config, not in it, so Part 3's loader still reads the file. An existing file at `path` is
+    replaced only with force."""
+    ckpt = {"model": model.state_dict(), "config": part3_config(model.cfg), "step": step}
+    with atomic_write(path, force=force) as f:
+        torch.save(ckpt | ({"tokenizer": tokenizer} if tokenizer else {}), f)
+
+
+# A checkpoint's tokenizer, and a prompt
+
+def tokenizer_for(model, checkpoint, tokenizer_path):
+    """The tokenizer at tokenizer_path, refused if it is not the one the checkpoint records, or, for a
+    checkpoint that records none (Part 3's), if its vocabulary differs in size."""
+    tokenizer = BPE.load(tokenizer_path)
+    if tokenizer.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but {checkpoint} a vocabulary of "
+                         f"{model.cfg.vocab_size}; give the tokenizer this checkpoint was trained with (--tokenizer)")
+    trained_with = model.trained_with
+    if trained_with is None:
+        print(f"note: {checkpoint} does not record its tokenizer; assuming {tokenizer_path} (--tokenizer)",
+              file=sys.stderr)
+    elif not isinstance(trained_with, dict) or trained_with.get("sha256") != tokenizer.record()["sha256"]:
+        raise ValueError(f"{tokenizer_path} is not the tokenizer {checkpoint} was trained with (their merges differ); "
+                         "give the right one with --tokenizer")
+    return tokenizer
+
+
+def prompt_ids(tokenizer, text, model):
+    """The prompt's ids (1, T) on the model's device."""
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one character")
+    return torch.tensor([ids], device=model.emb.weight.device)
+
+
+# The Engine's front door: every argument of Engine.generate, checked once before the first step
+
+KNOBS = ["temperature", "top_k", "top_p", "penalty"]
+
+
+def check_cache(model, batch, max_len):
+    """Refuse, before allocating it, a cache of `batch` rows x max_len positions that memory cannot hold."""
+    cfg, w = model.cfg, model.emb.weight
+    nbytes = 2 * cfg.n_layers * batch * max_len * cfg.n_kv_heads * cfg.head_dim * w.element_size()
+    check_fits(nbytes, f"a cache of {batch} rows x {max_len} positions", w.device)
+
+
+def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, knobs):
+    """Engine.generate's arguments as the loop needs them: (prompt ids, seeds, settings, stop ids, stop texts,
+    forced ids),
+    or a one-line error naming the first that is wrong."""
+    model = engine.model
+    vocab = model.cfg.vocab_size
+    if model.training:
+        raise ValueError("the model is in training mode, where dropout changes every token; call model.eval() first")
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
+        raise ValueError("the prompt must be a non-empty list of token ids")
+    tokens = [as_id(t, "prompt token", vocab) for t in tokens]
+    if len(tokens) > model.cfg.context:
+        raise ValueError(f"a prompt of {len(tokens)} tokens is longer than the cache (context "
+                         f"{model.cfg.context}); trim it")
+    num_samples = as_id(num_samples, "num_samples", 2**63, "the counts")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be a whole number >= 1, got {num_samples}")
+    if max_tokens is None:
+        raise ValueError("give max_tokens: without a bound, a row that never meets a stop would generate forever")
+    check_count("max_tokens", max_tokens)
+    check_cache(model, num_samples, engine.cache_len(len(tokens), max_tokens))
+    if isinstance(seed, (list, tuple)):
+        seeds = [as_id(s, "seed", 2**64, "the seeds") for s in seed]
+    else:  # row i draws with seed + i
+        seeds = [as_id(seed, "seed", 2**64 - num_samples + 1, "the seeds") + i for i in range(num_samples)]
+    settings = knobs.pop("settings", None)
+    if settings is not None and knobs:
+        raise ValueError(f"give the knobs either shared ({sorted(knobs)}) or per row in settings, not both")
+    settings = [knobs] * num_samples if settings is None else list(settings)
+    for name, got in (("seed", seeds), ("settings", settings)):
+        if len(got) != num_samples:
+            raise ValueError(f"{name} is a list of {len(got)}, but num_samples is {num_samples}")
+    for s in settings:
+        unknown = sorted(set(s) - set(KNOBS)) if isinstance(s, dict) else ["settings must be dicts"]
+        if unknown:
+            raise ValueError(f"unknown sampling knob {unknown[0]!r}; the knobs are {KNOBS}")
+        check_knobs(**s)
+    stops = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
+    texts = [utf8_bytes(s) for s in stops if isinstance(s, str)]
+    ids = {as_id(s, "stop token id", vocab) for s in stops if not isinstance(s, str)}
+    if texts and engine.tokenizer is None:
+        raise ValueError("stop strings need Engine(model, tokenizer)")
+    if b"" in texts:
+        raise ValueError("a stop string is empty; it would end every row at once")
+    forced = [[]] * num_samples if forced is None else list(forced)
+    if len(forced) != num_samples or not all(isinstance(f, (list, tuple)) for f in forced):
+        raise ValueError(f"forced must be one list of ids per row ({num_samples} lists), got {forced!r:.60}")
+    forced = [[as_id(t, f"forced token for row {i}:", vocab) for t in f] for i, f in enumerate(forced)]
+    return tokens, seeds, settings, ids, texts, forced

@@ -24,8 +24,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import sampling
+from checks import check_knobs
 from cli import Parser, atomic_write, check_count, check_fits, check_input, device_from
-from sampling import picker
 
 
 @dataclass
@@ -227,7 +228,10 @@ class GPT(nn.Module):
         """Part 3's sampling: each token drawn from softmax(scores / temperature) with torch's global
         generator, so the same torch.manual_seed gives Part 3's tokens. pick(logits, idx), when given,
         chooses instead (temperature is then unused), as in generate_uncached."""
-        return self.generate_uncached(idx, n_tokens, picker(temperature=temperature) if pick is None else pick)
+        if pick is None:
+            check_knobs(temperature=temperature)
+            pick = lambda logits, _: sampling.pick(logits, temperature)
+        return self.generate_uncached(idx, n_tokens, pick)
 
     @torch.no_grad()
     def generate_uncached(self, idx, n_tokens, pick=greedy):

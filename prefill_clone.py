@@ -28,10 +28,11 @@ import torch
 
 from bpe import utf8_bytes
 from cached import encode_prompt, load_pair
+from checks import check_knobs
 from cli import Parser, as_id, check_count, check_fits, run_cli, show_progress
 from kernels import KERNELS, DecodeStep, add_speed_flags, check_dtype, choose, kernel_named, speed_flags, sync
 from model import check_finite, linear_kernel
-from sampling import check_knobs, draw
+from sampling import pick
 
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
@@ -303,12 +304,12 @@ class Engine:
         """One token per row (B,): the rows that share knobs are scored as one batch (row by row, so each
         row gets the scores it would alone), and each row draws with its own generator."""
         if all(s == settings[0] for s in settings):
-            return draw(logits, history=history, generator=generators, **settings[0])
+            return pick(logits, history=history, generator=generators, **settings[0])
         tokens = torch.empty(len(settings), dtype=torch.long, device=logits.device)
         for knobs in map(dict, {tuple(sorted(s.items())) for s in settings}):
             rows = [i for i, s in enumerate(settings) if s == knobs]
             at = torch.tensor(rows, device=logits.device)
-            tokens[at] = draw(logits[at], history=None if history is None else history[at],
+            tokens[at] = pick(logits[at], history=None if history is None else history[at],
                               generator=[generators[i] for i in rows], **knobs)
         return tokens
 

@@ -11,7 +11,7 @@ from cli import run_cli
 from kernels import KERNELS, compiler_missing
 from model import Config
 from prefill_clone import Engine, KVCache, clone_prompt, prompt_per_row, run_prompt
-from sampling import picker
+from sampling import pick
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 GQA = Config(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=1, n_layers=2, context=32)
@@ -107,8 +107,9 @@ def test_row_i_of_n_samples_what_cached_py_samples_with_a_generator_seeded_seed_
     model = small()
     rows, _ = Engine(model).generate_batch(PROMPT, n, max_tokens=20, seed=100, **knobs)
     for i in range(n):
-        pick = picker(torch.Generator().manual_seed(100 + i), **knobs)
-        alone = model.generate_cached(torch.tensor([PROMPT]), 20, pick)[0, len(PROMPT):].tolist()
+        generator = torch.Generator().manual_seed(100 + i)
+        alone = model.generate_cached(torch.tensor([PROMPT]), 20, lambda logits, idx: pick(
+            logits, history=idx, generator=generator, **knobs))[0, len(PROMPT):].tolist()
         assert rows[i] == alone
 
 

@@ -46,4 +46,7 @@ def check_pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history
         raise ValueError(f"logits must be a float tensor (B, vocab), got {getattr(logits, 'shape', type(logits))}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits hold NaN or infinite scores; no token can be chosen honestly from them")
+    if isinstance(generator, list) and len(generator) != logits.shape[0]:
+        raise ValueError(f"generator is a list of {len(generator)}, but the logits have {logits.shape[0]} rows; "
+                         "give one generator, or one per row")
     return None if history is None else check_history(logits, history)

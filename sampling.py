@@ -30,7 +30,11 @@ def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None,
         logits.scatter_(-1, history, torch.where(seen > 0, seen / penalty, seen * penalty))
     if temperature == 0:
         return logits.argmax(-1)
-    logits /= temperature
+    scaled = logits / temperature
+    # A finite score over a small temperature can overflow to inf (softmax then gives NaN). Softmax is
+    # unchanged by subtracting a row's top score, so such rows are shifted first; the rest draw as before.
+    overflows = scaled.amax(-1, keepdim=True).isinf()
+    logits = torch.where(overflows, (logits - logits.amax(-1, keepdim=True)) / temperature, scaled)
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits[logits < kth] = float("-inf")
@@ -44,6 +48,7 @@ def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None,
         logits.scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
     if isinstance(generator, list):
+        assert len(generator) == len(probs), "one generator per row"
         return torch.cat([torch.multinomial(row[None], 1, generator=g)[:, 0] for row, g in zip(probs, generator)])
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 

@@ -339,6 +339,15 @@ def test_scores_that_overflow_stop_the_engine_instead_of_giving_rows_of_zeros():
             Engine(model).generate_batch(PROMPT, 2, max_tokens=4, **knobs)
 
 
+def test_finite_scores_that_overflow_at_a_small_temperature_still_give_tokens():
+    # scores near 1e35 are finite, but over a temperature of 1e-4 they pass float32's largest number
+    model = small()
+    with torch.no_grad():
+        model.norm.weight.mul_(1e36)
+    greedy = Engine(model).generate_batch(PROMPT, 2, max_tokens=4, temperature=0)[0]
+    assert Engine(model).generate_batch(PROMPT, 2, max_tokens=4, temperature=1e-4, top_p=0.9)[0] == greedy
+
+
 def test_a_forced_id_appended_between_steps_is_checked_when_it_is_used():
     engine = Engine(small())
     steps = engine.generate(PROMPT, 1, max_tokens=4, temperature=0)

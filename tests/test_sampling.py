@@ -141,6 +141,13 @@ def test_inputs_pick_would_have_to_guess_at_are_refused(logits, history, message
         check_pick(logits, temperature=0, history=history)
 
 
+def test_a_generator_list_of_the_wrong_length_is_refused_by_name():
+    with pytest.raises(ValueError, match="generator is a list of 1, but the logits have 4 rows"):
+        check_pick(torch.randn(4, 50), generator=[G()])
+    with pytest.raises(AssertionError):  # unchecked, pick still never answers for fewer rows than it was given
+        pick(torch.randn(4, 50), generator=[G()])
+
+
 def test_row_i_with_its_own_generator_draws_what_it_draws_alone():
     scores = torch.randn(5, 100, generator=G().manual_seed(6))
     knobs = dict(temperature=1.3, top_k=40, top_p=0.9)
@@ -179,3 +186,27 @@ def test_float64_scores_stay_float64_where_float32_would_tie_them():
     scores = torch.tensor([[1.0, 1.0 + 1e-12]], dtype=torch.float64)
     assert pick(scores, temperature=0).item() == 1 and pick(scores, top_k=1, generator=G()).item() == 1
 
+
+@pytest.mark.parametrize("scores, temperature, dtype", [
+    ([1e35, 1e35, 0.0], 1e-4, torch.float32),
+    ([3e38, 3e38, -3e38], 0.5, torch.float32),
+    ([1e306, 1e306, 0.0], 1e-4, torch.float64),
+])
+def test_finite_scores_that_overflow_after_the_temperature_still_sample(scores, temperature, dtype):
+    # past float's range only ties are left to draw between: the two top scores, each about half the time
+    rows = torch.tensor([scores], dtype=dtype).expand(4000, 3)
+    counts = torch.bincount(pick(rows, temperature=temperature, generator=G().manual_seed(0)), minlength=3)
+    assert counts[2] == 0 and abs(counts[0] - counts[1]) < 300
+    assert pick(torch.tensor([[1e35, 0.0]]), temperature=1e-4, top_p=0.9, generator=G()).item() == 0
+
+
+def test_scores_that_do_not_overflow_draw_exactly_as_the_plain_division_does():
+    # the overflow guard changes no draw for ordinary scores, even beside a row that overflows
+    scores = torch.randn(64, 500, generator=G().manual_seed(8)) * 4
+    plain = torch.multinomial((scores / 0.7).softmax(-1), 1, generator=G().manual_seed(2))[:, 0]
+    assert torch.equal(pick(scores, temperature=0.7, generator=G().manual_seed(2)), plain)
+    scores[0, 0] = 1e36
+    tokens = pick(scores, temperature=0.7, generator=[G().manual_seed(i) for i in range(64)])
+    assert tokens[0] == 0 and tokens[1:].tolist() == [
+        torch.multinomial((row / 0.7).softmax(-1), 1, generator=G().manual_seed(i)).item()
+        for i, row in enumerate(scores[1:], start=1)]

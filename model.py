@@ -158,8 +158,8 @@ class GPT(nn.Module):
         """Part 3's sampling: each token drawn from softmax(scores / temperature) with torch's global
         generator, so the same torch.manual_seed gives Part 3's tokens. pick(logits, idx), when given,
         chooses instead (temperature is then unused), as in generate_uncached."""
-        if pick is None:  # Part 3's draw, from torch's global generator
-            pick = lambda logits, idx: torch.multinomial(F.softmax(logits / temperature, dim=-1), 1)[:, 0]  # noqa: E731
+        if pick is None:  # Part 3's draw (and temperature 0 the argmax), from torch's global generator
+            pick = lambda logits, idx: sampling.pick(logits, temperature)  # noqa: E731
         return self.generate_uncached(idx, n_tokens, pick)
 
     @torch.no_grad()

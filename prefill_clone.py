@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from cached import load_pair
-from checks import check_cache, check_request, prompt_ids
+from checks import check_cache, check_knobs, check_request, prompt_ids
 from cli import Parser, as_id, check_count, run_cli, show_progress
 from model import check_finite
-from sampling import check_knobs, pick
+from sampling import pick
 
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
                   "under any other name.")

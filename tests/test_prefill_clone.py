@@ -11,7 +11,7 @@ from cli import run_cli
 from kernels import KERNELS, FastEngine, compiler_missing
 from model import Config
 from prefill_clone import Engine, KVCache, clone_prompt, prompt_per_row, run_prompt
-from sampling import picker
+from sampling import pick
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 GQA = Config(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=1, n_layers=2, context=32)
@@ -102,8 +102,9 @@ def test_row_i_of_n_samples_what_cached_py_samples_with_a_generator_seeded_seed_
     model = small()
     rows, _ = Engine(model).generate_batch(PROMPT, n, max_tokens=20, seed=100, **knobs)
     for i in range(n):
-        pick = picker(torch.Generator().manual_seed(100 + i), **knobs)
-        alone = model.generate_cached(torch.tensor([PROMPT]), 20, pick)[0, len(PROMPT):].tolist()
+        generator = torch.Generator().manual_seed(100 + i)
+        alone = model.generate_cached(torch.tensor([PROMPT]), 20, lambda logits, idx: pick(
+            logits, history=idx, generator=generator, **knobs))[0, len(PROMPT):].tolist()
         assert rows[i] == alone
 
 
@@ -319,6 +320,15 @@ def test_scores_that_overflow_stop_the_engine_instead_of_giving_rows_of_zeros():
     for knobs in (dict(temperature=0), dict(temperature=1.0)):
         with pytest.raises(ValueError, match="scores for new token 0 are NaN or infinite"):
             Engine(model).generate_batch(PROMPT, 2, max_tokens=4, **knobs)
+
+
+def test_finite_scores_that_overflow_at_a_small_temperature_still_give_tokens():
+    # scores near 1e35 are finite, but over a temperature of 1e-4 they pass float32's largest number
+    model = small()
+    with torch.no_grad():
+        model.norm.weight.mul_(1e36)
+    greedy = Engine(model).generate_batch(PROMPT, 2, max_tokens=4, temperature=0)[0]
+    assert Engine(model).generate_batch(PROMPT, 2, max_tokens=4, temperature=1e-4, top_p=0.9)[0] == greedy
 
 
 def test_a_forced_id_appended_between_steps_is_checked_when_it_is_used():

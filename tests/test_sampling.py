@@ -1,4 +1,5 @@
-"""sampling.py: the knobs do what reference.md says, in its order, reproducibly."""
+"""sampling.py: the knobs do what reference.md says, in its order, reproducibly; checks.py refuses what
+pick would have to guess at."""
 import subprocess
 import sys
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 import sampling
-from sampling import pick, picker
+from checks import check_knobs, check_pick
+from sampling import pick
 from test_bpe import assert_refused, run_main
 
 G = torch.Generator
@@ -50,13 +52,20 @@ def test_top_p_keeps_a_token_until_those_above_reach_p():
 
 
 def test_penalty_divides_positive_and_multiplies_negative_scores_of_seen_tokens():
-    assert pick(torch.tensor([[2.0, 1.5]]), temperature=0, penalty=2.0, history=[[0]]).item() == 1
-    assert pick(torch.tensor([[-1.0, -1.5]]), temperature=0, penalty=2.0, history=[[0, 0]]).item() == 1
-    assert pick(torch.tensor([[-1.0, -1.5]]), temperature=0, penalty=1.4, history=[[0]]).item() == 0
+    zero = torch.tensor([[0]])
+    assert pick(torch.tensor([[2.0, 1.5]]), temperature=0, penalty=2.0, history=zero).item() == 1
+    assert pick(torch.tensor([[-1.0, -1.5]]), temperature=0, penalty=2.0, history=torch.tensor([[0, 0]])).item() == 1
+    assert pick(torch.tensor([[-1.0, -1.5]]), temperature=0, penalty=1.4, history=zero).item() == 0
 
 
 def test_penalty_comes_before_temperature_zero():
-    assert pick(torch.tensor([[3.0, 2.0]]), temperature=0, penalty=2.0, history=[[0]]).item() == 1
+    assert pick(torch.tensor([[3.0, 2.0]]), temperature=0, penalty=2.0, history=torch.tensor([[0]])).item() == 1
+
+
+def test_pick_leaves_the_callers_scores_as_they_were():
+    scores = torch.tensor([[3.0, 2.0]])
+    pick(scores, top_k=1, top_p=0.5, penalty=2.0, history=torch.tensor([[0]]), generator=G().manual_seed(0))
+    assert scores.tolist() == [[3.0, 2.0]]
 
 
 def test_temperature_one_samples_the_softmax_and_low_temperature_sharpens():
@@ -90,16 +99,19 @@ def test_a_generator_makes_draws_reproducible():
     ({"history": [[0, 10]]}, "outside the vocabulary 0..9"),
     ({"history": [[-1]]}, "outside the vocabulary 0..9"),
 ])
-def test_bad_knobs_are_refused_by_name(knobs, message):
-    with pytest.raises(ValueError, match=message):
-        pick(torch.zeros(1, 10), **knobs)
+def test_bad_knobs_are_refused_by_name_in_one_line(knobs, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        check_pick(torch.zeros(1, 10), **knobs)
+    assert len(str(refused.value).splitlines()) == 1
+    if "history" not in knobs:  # the knobs alone, as a loop checks them before its first token
+        with pytest.raises(ValueError, match=message):
+            check_knobs(**knobs)
 
 
-def test_picker_checks_knobs_up_front_and_uses_the_tokens_so_far_as_history():
-    with pytest.raises(ValueError, match="temperature"):
-        picker(temperature=-1)
-    greedy_penalised = picker(temperature=0, penalty=2.0)
-    assert greedy_penalised(torch.tensor([[2.0, 1.5]]), torch.tensor([[0]])).item() == 1
+def test_good_inputs_pass_the_checks_and_history_comes_back_as_pick_takes_it():
+    assert check_pick(torch.zeros(2, 10), temperature=0.5, top_k=3, top_p=0.9, penalty=1.3) is None
+    history = check_pick(torch.zeros(2, 10), history=[[1, 9]], generator=[G(), G()])
+    assert history.dtype == torch.int64 and history.tolist() == [[1, 9]]
 
 
 def test_pick_returns_one_id_per_row_for_the_posts_loops():
@@ -107,7 +119,7 @@ def test_pick_returns_one_id_per_row_for_the_posts_loops():
     assert pick(scores, temperature=0).shape == (3,)
     assert pick(scores, generator=G().manual_seed(1)).shape == (3,)
     idx = torch.zeros(3, 4, dtype=torch.long)
-    assert torch.cat([idx, picker(temperature=0)(scores, idx)[:, None]], dim=1).shape == (3, 5)
+    assert torch.cat([idx, pick(scores, temperature=0, penalty=2.0, history=idx)[:, None]], dim=1).shape == (3, 5)
 
 
 @pytest.mark.parametrize("logits, history, message", [
@@ -124,15 +136,30 @@ def test_pick_returns_one_id_per_row_for_the_posts_loops():
     (torch.zeros(0, 10), None, r"logits must be a float tensor \(B, vocab\)"),
     (torch.zeros(2, 0), None, r"logits must be a float tensor \(B, vocab\)"),
 ])
-def test_pick_refuses_inputs_it_would_have_to_guess_at(logits, history, message):
+def test_inputs_pick_would_have_to_guess_at_are_refused(logits, history, message):
     with pytest.raises(ValueError, match=message):
-        pick(logits, temperature=0, history=history)
+        check_pick(logits, temperature=0, history=history)
+
+
+def test_a_generator_list_of_the_wrong_length_is_refused_by_name():
+    with pytest.raises(ValueError, match="generator is a list of 1, but the logits have 4 rows"):
+        check_pick(torch.randn(4, 50), generator=[G()])
+    with pytest.raises(AssertionError):  # unchecked, pick still never answers for fewer rows than it was given
+        pick(torch.randn(4, 50), generator=[G()])
+
+
+def test_row_i_with_its_own_generator_draws_what_it_draws_alone():
+    scores = torch.randn(5, 100, generator=G().manual_seed(6))
+    knobs = dict(temperature=1.3, top_k=40, top_p=0.9)
+    together = pick(scores, generator=[G().manual_seed(10 + i) for i in range(5)], **knobs)
+    alone = [pick(scores[i:i + 1], generator=G().manual_seed(10 + i), **knobs).item() for i in range(5)]
+    assert together.tolist() == alone
 
 
 def test_a_one_row_history_applies_to_every_row():
     scores = torch.tensor([[2.0, 1.5], [2.0, 1.5]])
-    assert pick(scores, temperature=0, penalty=2.0, history=[[0]]).tolist() == [1, 1]
-    assert pick(scores, temperature=0, penalty=2.0, history=[[0], [1]]).tolist() == [1, 0]
+    assert pick(scores, temperature=0, penalty=2.0, history=torch.tensor([[0]])).tolist() == [1, 1]
+    assert pick(scores, temperature=0, penalty=2.0, history=torch.tensor([[0], [1]])).tolist() == [1, 0]
 
 
 def test_float64_scores_beyond_float32s_range_keep_their_order():
@@ -153,3 +180,33 @@ def test_the_penalty_range_ends_still_give_a_token_from_real_scores(penalty):
     history = torch.arange(100).expand(8, -1)
     tokens = pick(scores, penalty=penalty, history=history, generator=G().manual_seed(0))
     assert tokens.shape == (8,) and bool(((0 <= tokens) & (tokens < 100)).all())
+
+
+def test_float64_scores_stay_float64_where_float32_would_tie_them():
+    scores = torch.tensor([[1.0, 1.0 + 1e-12]], dtype=torch.float64)
+    assert pick(scores, temperature=0).item() == 1 and pick(scores, top_k=1, generator=G()).item() == 1
+
+
+@pytest.mark.parametrize("scores, temperature, dtype", [
+    ([1e35, 1e35, 0.0], 1e-4, torch.float32),
+    ([3e38, 3e38, -3e38], 0.5, torch.float32),
+    ([1e306, 1e306, 0.0], 1e-4, torch.float64),
+])
+def test_finite_scores_that_overflow_after_the_temperature_still_sample(scores, temperature, dtype):
+    # past float's range only ties are left to draw between: the two top scores, each about half the time
+    rows = torch.tensor([scores], dtype=dtype).expand(4000, 3)
+    counts = torch.bincount(pick(rows, temperature=temperature, generator=G().manual_seed(0)), minlength=3)
+    assert counts[2] == 0 and abs(counts[0] - counts[1]) < 300
+    assert pick(torch.tensor([[1e35, 0.0]]), temperature=1e-4, top_p=0.9, generator=G()).item() == 0
+
+
+def test_scores_that_do_not_overflow_draw_exactly_as_the_plain_division_does():
+    # the overflow guard changes no draw for ordinary scores, even beside a row that overflows
+    scores = torch.randn(64, 500, generator=G().manual_seed(8)) * 4
+    plain = torch.multinomial((scores / 0.7).softmax(-1), 1, generator=G().manual_seed(2))[:, 0]
+    assert torch.equal(pick(scores, temperature=0.7, generator=G().manual_seed(2)), plain)
+    scores[0, 0] = 1e36
+    tokens = pick(scores, temperature=0.7, generator=[G().manual_seed(i) for i in range(64)])
+    assert tokens[0] == 0 and tokens[1:].tolist() == [
+        torch.multinomial((row / 0.7).softmax(-1), 1, generator=G().manual_seed(i)).item()
+        for i, row in enumerate(scores[1:], start=1)]

@@ -2,7 +2,7 @@
 #   docker build -t tiny-gpt-inference .
 #   docker run --rm --gpus all tiny-gpt-inference                  # self-checks
 #   docker run --rm --gpus all tiny-gpt-inference python -m pytest -q
-#   docker run --rm --gpus all tiny-gpt-inference python bench.py cuda
+#   docker run --rm --gpus all tiny-gpt-inference python bench.py cuda --all
 # The serving engines (requirements-serve.txt) are not in the image; their tests skip here and say so.
 FROM pytorch/pytorch:2.14.1-cuda13.2-cudnn9-runtime
 

@@ -1,22 +1,38 @@
-"""Every speed and memory figure the inference post claims, measured here.
+"""Every speed and memory figure the inference post claims, measured here; by default, the post's table.
 
-    python bench.py [cpu|cuda] [THREADS] [--quick] [--json PATH] [--runs 3] [--tables 3,4] [--tokens 256]
+    python bench.py [cpu|cuda] [THREADS]               # table 0, the post's table (under a minute)
+    python bench.py [cpu|cuda] [THREADS] --all         # every table, 0 to 6 (compiles: many minutes)
+    python bench.py [cpu|cuda] [THREADS] --tables 0,3,4 [--whole] [--quick] [--runs 3] [--tokens 64 256 1024]
+                    [--json PATH [--force]]
 
 Untrained weights, greedy, fp32, 8-token random prompts, seeded. Each figure
 is the median of --runs runs after a warm-up, with its spread (half the range,
 as a share of the median); the figures a row compares take turns, one run each
 a round, so their ratios are measured side by side. Rows print as they are measured:
 
-1. Cache memory measured from the tensors against the formula.
+0. The post's table (what runs with no --tables): tok/s with no cache (Part 3's
+   loop) and with cached.py's cache at batch 1 and 16, 64, 256 and 1,024 tokens,
+   the speedup, then the cache's bytes for a full window against the post's
+   formula 2 x layers x tokens x d_model x bytes. Its times are summed, not run
+   whole: a decode step's cost depends only on how many tokens it sees (rerun
+   without a cache; kept in it), which stops growing once the window is full.
+   So each loop's step is timed at 8, 16, 32, ... tokens up to the window
+   (each run, the median of up to 5 calls in a row), a step between two of
+   those counts costs their linear interpolation, and a generation's time is
+   its prefill plus the sum of its steps (the uncached batch-16 x 1,024-token
+   run alone would take minutes). --whole also times whole generations, as
+   the post's bench.py does, each beside its sum (docs/bench.md: how well
+   they agree).
+1. Cache memory measured from the tensors against the formula, grouped-query too.
 2. Time to first token: N separate runs of the prompt against one plus a copy.
 3. The decode step's matrix multiply: every exact kernel in kernels.py timed
    here, the one the Engine chose, and a whole step with it and with nn.Linear;
    on the CPU, the step compiled as kernels.COMPILE_OPTIONS sets it, with the graph
    called from Python instead, and with ATen's multiplies (nothing frozen).
-4. The post's table: tok/s with no cache (Part 3's loop), cached.py's cache,
-   and prefill_clone's Engine (preallocated ring cache, fastest kernel) as it
-   runs by default, compiled (compile=True, compile time reported apart) and
-   in bfloat16; then how far bfloat16 drifts from float32 on trained weights.
+4. The post's two loops, timed whole, beside prefill_clone's Engine (preallocated
+   ring cache, fastest kernel) as it runs by default, compiled (compile=True,
+   compile time reported apart) and in bfloat16; then how far bfloat16 drifts
+   from float32 on trained weights.
 5. CUDA only: kernels per decode step, the share of the step the GPU is busy,
    and the Engine with each decode step a CUDA-graph replay, at batch 1 and 16.
 6. The same weights through the serving engines installed (transformers always;
@@ -27,10 +43,11 @@ import json
 import os
 import platform
 import time
+from bisect import bisect_left
 
 import torch
 
-from cached import CachedGPT, first_difference, load
+from cached import CachedGPT, LayerCache, first_difference, load
 from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
 from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, FastEngine, check_compiler, choose, sync, with_kernel
 from model import Config
@@ -41,15 +58,22 @@ FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=
 QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), steps=5, drift=16,
              wrappers=False)  # not the three extra compiles (up to half a minute each) of table 3's compiled line
 CHECKPOINT = "holmes.pt"  # the shipped weights, for the bf16 drift
+TABLES = "0123456"
+PROMPT = 8  # the post's prompt length, in tokens
 
 
 def median(xs):
     return sorted(xs)[len(xs) // 2]
 
 
-def measure(fns, runs, device, warmups=None, label=""):
-    """{name: (median, spread)} of each fn's wall time over runs (spread: half the range / median);
-    a fn that times itself (an engine in a process of its own) returns its own seconds instead.
+def half_range(xs):
+    """Half the range, as a share of the median."""
+    return (max(xs) - min(xs)) / 2 / median(xs)
+
+
+def timings(fns, runs, device, warmups=None, label=""):
+    """{name: [seconds of each run]} of each fn's wall time; a fn that times itself (an engine in a
+    process of its own) returns its own seconds instead.
 
     Each fn is warmed up once (with warmups[name] if given), then they take turns, one run each a
     round: on a shared machine a neighbour's load then falls on all of them alike, and the ratios
@@ -66,7 +90,12 @@ def measure(fns, runs, device, warmups=None, label=""):
             sync(device)
             times[name].append(own if isinstance(own, float) else time.perf_counter() - t0)
         show_progress(f"  {label} rounds", i + 1, runs, started)
-    return {name: (median(ts), (max(ts) - min(ts)) / 2 / median(ts)) for name, ts in times.items()}
+    return times
+
+
+def measure(fns, runs, device, warmups=None, label=""):
+    """{name: (median, spread)} of each fn's wall time over runs, timed in turns as timings() does."""
+    return {name: (median(ts), half_range(ts)) for name, ts in timings(fns, runs, device, warmups, label).items()}
 
 
 def machine(device):
@@ -82,6 +111,145 @@ def machine(device):
     return info
 
 
+def steady(fn, device, calls=5, budget=0.2):
+    """fn's seconds a call, for timings(): the median of up to `calls` calls in a row (fewer once `budget`
+    seconds are spent), so that one stall on a shared machine does not count for every step of a count."""
+    def timed():
+        seconds = []
+        while len(seconds) < calls and sum(seconds) < budget:
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            seconds.append(time.perf_counter() - t0)
+        return median(seconds)
+    return timed
+
+
+def step_counts(longest, context):
+    """The token counts a step is timed at: the prompt's, doubling, then the most any step sees."""
+    top = min(PROMPT + longest - 1, context)
+    counts = [PROMPT]
+    while counts[-1] * 2 < top:
+        counts.append(counts[-1] * 2)
+    return counts + [top] * (top > PROMPT)
+
+
+def step_weights(counts, seen):
+    """How many steps' worth of each timed count's cost the steps that see `seen` tokens cost: a count
+    between two timed ones costs their linear interpolation, so the steps cost sum(weight x cost)."""
+    weights = [0.0] * len(counts)
+    for n in seen:
+        i = bisect_left(counts, n)
+        if counts[i] == n:
+            weights[i] += 1
+        else:
+            share = (n - counts[i - 1]) / (counts[i] - counts[i - 1])
+            weights[i - 1] += 1 - share
+            weights[i] += share
+    return weights
+
+
+def generation_weights(n_tokens, context, counts):
+    """The weights of n_tokens greedy tokens from a PROMPT-token prompt, per loop: the step that makes
+    token j (from 0) sees the text so far, PROMPT + j tokens, of which the uncached loop reruns the last
+    `context` and the cached one keeps the last `context` before it (its step for token 0 is the prefill)."""
+    return {"no_cache": step_weights(counts, [min(PROMPT + j, context) for j in range(n_tokens)]),
+            "cache": step_weights(counts, [min(PROMPT + j - 1, context) for j in range(1, n_tokens)])}
+
+
+class DecodeAt:
+    """cached.py's decode step, callable again and again, with `kept` tokens already in a cache of each layer:
+    the cache is put back before every step, and each step is one position on (a new RoPE table), as in the loop."""
+
+    def __init__(self, model, text, kept):
+        self.model, self.token = model, text[:, kept:kept + 1]
+        self.caches = [LayerCache(model.cfg.context) for _ in model.blocks]
+        with torch.no_grad():
+            model.step(text[:, :kept], self.caches, 0)
+        self.kept = [(cache.k, cache.v) for cache in self.caches]
+        self.position = kept
+
+    @torch.no_grad()
+    def __call__(self):
+        for cache, (k, v) in zip(self.caches, self.kept):
+            cache.k, cache.v = k, v
+        self.model.step(self.token, self.caches, self.position)
+        self.position += 1
+
+
+@torch.no_grad()
+def window_bytes(model, device):
+    """The bytes of cached.py's cache once a batch-1 prompt has filled the window."""
+    caches = [LayerCache(model.cfg.context) for _ in model.blocks]
+    model.step(torch.zeros(1, model.cfg.context, dtype=torch.long, device=device), caches, 0)
+    return sum(cache.k.nbytes + cache.v.nbytes for cache in caches)
+
+
+def put_speed(row, key, seconds):
+    """row[key]: tok/s from the median of each run's seconds, with its spread beside it."""
+    row[key], row[key + "_spread"] = row["batch"] * row["tokens"] / median(seconds), half_range(seconds)
+
+
+def speed_cell(row, key):
+    return f"{row[key]:>9,.0f} ±{row[key + '_spread']:>4.0%}"
+
+
+def table_post(model, device, sizes, runs, whole, out):
+    cfg, lengths = model.cfg, sizes["lengths"]
+    counts = step_counts(max(lengths), cfg.context)
+    print(f"\n0. the post's table: greedy tok/s = batch x tokens / seconds from an {PROMPT}-token prompt, with no "
+          "cache (Part 3's")
+    print(f"   loop, generate_uncached) and with cached.py's (generate_cached); median of {runs} runs, ± half range.")
+    print("   Summed, not run whole: a step's cost depends only on how many tokens it sees (rerun without a cache,")
+    print(f"   kept in it), flat once the {cfg.context}-token window is full; each loop's step is timed at "
+          f"{', '.join(map(str, counts))}")
+    print("   tokens (the median of up to 5 calls in a row, each run), a step in between costs their linear")
+    print("   interpolation, and a generation costs its prefill plus its steps"
+          + ("." if whole else " (--whole also times whole generations)."))
+    if whole:
+        print("   whole: whole generations, timed as the post's bench.py does, in turns with the steps; summed/whole:")
+        print("   the summed seconds over the whole ones, no cache and cache")
+    print(f"{'batch':>5} {'tokens':>6} {'no cache tok/s':>16} {'cache tok/s':>16} {'speedup':>8}"
+          + (f" {'whole: no cache':>16} {'cache':>16} {'summed/whole':>14}" if whole else ""))
+    out.update({"step_counts": counts, "rows": []})
+    loops = {"no_cache": model.generate_uncached, "cache": model.generate_cached}
+    gen = torch.Generator().manual_seed(0)
+    for batch in sizes["batches"]:
+        text = torch.randint(cfg.vocab_size, (batch, counts[-1] + 1), generator=gen).to(device)
+        prompt = text[:, :PROMPT]
+        warmups = {"prefill": lambda: model.generate_cached(prompt, 1)}
+        for n in counts:
+            warmups["no_cache", n] = lambda n=n: model.generate_uncached(text[:, :n], 1)
+            warmups["cache", n] = DecodeAt(model, text, n)
+        fns = {name: steady(fn, device) for name, fn in warmups.items()}
+        if whole:
+            for n in lengths:
+                for name, loop in loops.items():
+                    fns["whole_" + name, n] = lambda loop=loop, n=n: loop(prompt, n)
+                    warmups["whole_" + name, n] = lambda loop=loop: loop(prompt, PROMPT)
+        times = timings(fns, runs, device, warmups, label=f"batch {batch}:")
+        for n in lengths:
+            row = {"batch": batch, "tokens": n}
+            for name, weights in generation_weights(n, cfg.context, counts).items():
+                put_speed(row, name, [sum(w * times[name, count][r] for w, count in zip(weights, counts))
+                                      + (times["prefill"][r] if name == "cache" else 0) for r in range(runs)])
+                if whole:
+                    put_speed(row, "whole_" + name, times["whole_" + name, n])
+            out["rows"].append(row)
+            line = f"{batch:>5} {n:>6} {speed_cell(row, 'no_cache')} {speed_cell(row, 'cache')} " \
+                   f"{row['cache'] / row['no_cache']:>7.1f}x"
+            if whole:  # summed seconds over whole seconds, each loop
+                line += (f" {speed_cell(row, 'whole_no_cache')} {speed_cell(row, 'whole_cache')} "
+                         f"{row['whole_no_cache'] / row['no_cache']:>6.2f} {row['whole_cache'] / row['cache']:>6.2f}")
+            print(line, flush=True)
+    measured, item = window_bytes(model, device), model.emb.weight.element_size()
+    formula = 2 * cfg.n_layers * cfg.context * cfg.d_model * item
+    out["cache"] = {"tokens": cfg.context, "measured_bytes": measured, "formula_bytes": formula}
+    print(f"\ncache at {cfg.context} tokens, batch 1: {measured / 2**20:.2f} MiB measured (2 x {cfg.n_layers} layers "
+          f"x {cfg.context} tokens x {cfg.d_model} d_model x {item} bytes = {formula / 2**20:.2f} MiB)")
+
+
 def engine_forms(model):
     """The Engine as tables 4 and 6 run it: default, compiled and bfloat16; each compiles once per batch."""
     return {"engine": FastEngine(model), "engine_compiled": FastEngine(model, compile=True),
@@ -89,7 +257,8 @@ def engine_forms(model):
 
 
 def table_decode(model, engines, device, sizes, runs, out):
-    print("\n4. decode speed, the post's table: tok/s = batch x tokens / seconds (median, ± half range)")
+    print("\n4. decode speed, the post's two loops timed whole beside the Engine: tok/s = batch x tokens / seconds")
+    print("   (median, ± half range)")
     print("   Engine: prefill_clone's default (the fastest exact kernel, table 3); compiled: compile=True;")
     print("   bf16: dtype=torch.bfloat16 (weights and cache; its drift from float32 below)")
     print(f"{'batch':>5} {'tokens':>6} {'no cache':>14} {'cached.py':>14} {'Engine':>14} {'compiled':>14} "
@@ -333,19 +502,25 @@ def table_peers(model, engines, device, sizes, runs, out):
 
 
 def main():
-    ap = Parser(description="Measure the post's speed and memory claims.")
+    ap = Parser(description="Measure the post's speed and memory claims: by default its table (table 0).")
     ap.add_argument("device", nargs="?", default="cpu", help="cpu or cuda")
     ap.add_argument("threads", nargs="?", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     ap.add_argument("--json", metavar="PATH", help="write every figure here")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per figure (at least 3)")
     ap.add_argument("--force", action="store_true", help="replace an existing --json file")
-    ap.add_argument("--tables", default="1,2,3,4,5,6", help="which tables to run, e.g. 3,4 (default: all)")
-    ap.add_argument("--tokens", type=int, nargs="+", help="table 4's lengths only (default 64 256 1024)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--tables", default="0", help="which tables to run, e.g. 0,3,4 (default: 0, the post's)")
+    which.add_argument("--all", action="store_true", help="run every table, 0 to 6")
+    ap.add_argument("--whole", action="store_true",
+                    help="table 0 also times whole generations beside its summed steps (minutes at 1,024 tokens)")
+    ap.add_argument("--tokens", type=int, nargs="+", help="tables 0 and 4's lengths only (default 64 256 1024)")
     args = ap.parse_args()
-    tables = set(args.tables.split(","))
-    if not tables <= set("123456"):
-        raise ValueError(f"--tables takes numbers 1 to 6 separated by commas, got {args.tables!r}")
+    tables = set(TABLES) if args.all else set(args.tables.split(","))
+    if not tables <= set(TABLES):
+        raise ValueError(f"--tables takes numbers 0 to 6 separated by commas, got {args.tables!r}")
+    if args.whole and "0" not in tables:
+        raise ValueError("--whole times table 0's generations whole; add 0 to --tables")
     device = device_from(args.device)
     if args.threads is not None:
         if not 1 <= args.threads <= os.cpu_count():
@@ -356,7 +531,7 @@ def main():
     if args.json is not None:
         check_output(args.json, args.force)
     if tables & set("346"):  # each times the compiled decode step
-        check_compiler(device, "or run only --tables 1,2,5")
+        check_compiler(device, "or run only --tables 0,1,2,5")
     sizes = QUICK if args.quick else FULL
     if args.tokens:
         if min(args.tokens) < 8:
@@ -365,13 +540,16 @@ def main():
 
     torch.manual_seed(0)
     model = CachedGPT().to(device).eval()
-    engines = engine_forms(model)
+    engines = engine_forms(model) if tables & set("46") else {}
     info = machine(device)
-    print(f"bench.py: {info['device']} ({info.get('gpu', info['cpu'])}), {info['threads']} threads, "
+    print(f"bench.py: {info['device']} ({info.get('gpu', info['cpu'])}), {info['threads']} "
+          f"thread{'s' * (info['threads'] != 1)}, "
           f"torch {info['torch']}, untrained weights, greedy, fp32, median of {args.runs} runs in turns after a "
           "warm-up")
-    report = {"machine": info, "quick": args.quick, "runs": args.runs, "tables": sorted(tables),
+    report = {"machine": info, "quick": args.quick, "runs": args.runs, "tables": sorted(tables), "post": {},
               "decode": [], "memory": [], "prefill_clone": [], "kernels": [], "bf16_drift": {}, "cuda": {}}
+    if "0" in tables:
+        table_post(model, device, sizes, args.runs, args.whole, report["post"])
     if "1" in tables:
         table_memory(device, report["memory"])
     if "2" in tables:

@@ -1,6 +1,8 @@
-"""bench.py: every figure is measured and present; the CUDA-graph path's logic holds on the CPU."""
+"""bench.py: the default run is the post's table, first and alone; every figure is measured and present; its
+summed step costs add up to the steps a generation runs."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -9,7 +11,7 @@ import torch
 
 import bench
 from kernels import compiler_missing
-
+from test_bpe import run_main
 
 
 def positive_numbers(node, path="report"):
@@ -26,12 +28,17 @@ def positive_numbers(node, path="report"):
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--tokens", "8", "--json", str(out)],
-                         capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--all", "--whole", "--tokens", "8",
+                          "--json", str(out)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert report["machine"]["device"] == "cpu" and report["machine"]["threads"] == 2
     assert report["machine"]["torch"] == torch.__version__
+    post = report["post"]
+    assert post["step_counts"] == [8, 15] and [(r["batch"], r["tokens"]) for r in post["rows"]] == [(1, 8), (4, 8)]
+    loops = ("no_cache", "cache", "whole_no_cache", "whole_cache")
+    assert all(set(r) == {"batch", "tokens", *loops, *(m + "_spread" for m in loops)} for r in post["rows"])
+    assert post["cache"] == {"tokens": 256, "measured_bytes": 3 * 2**20, "formula_bytes": 3 * 2**20}
     methods = ("no_cache", "cached", "engine", "engine_compiled", "engine_bf16")
     decode_keys = {"batch", "tokens", "compile_seconds", *methods, *(m + "_spread" for m in methods)}
     assert len(report["decode"]) == 2 and all(set(r) == decode_keys for r in report["decode"])
@@ -53,7 +60,8 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     installed = set(bench.PEERS) - set(bench.missing_peers(torch.device("cpu")))  # the serving engines here
     columns = {"batch", "tokens", "engine", "engine_compiled", "engine_bf16", *installed}
     assert [r["batch"] for r in report["peers"]] == [1, 4] and all(set(r) == columns for r in report["peers"])
-    numbers = dict(positive_numbers({k: report[k] for k in ("decode", "memory", "prefill_clone", "kernels", "peers")}))
+    numbers = dict(positive_numbers({k: report[k] for k in ("post", "decode", "memory", "prefill_clone", "kernels",
+                                                            "peers")}))
     assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers
     assert "5. CUDA" in run.stdout and "skipped" in run.stdout
 
@@ -66,12 +74,56 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     (["cpu", "--json", "."], "cannot write .: it is a folder"),
     (["cpu", "--fast"], "unrecognized arguments: --fast"),
     (["cpu", "--runs", "2"], "--runs must be at least 3"),
-    (["cpu", "--tables", "3,7"], "--tables takes numbers 1 to 6 separated by commas, got '3,7'"),
+    (["cpu", "--tables", "3,7"], "--tables takes numbers 0 to 6 separated by commas, got '3,7'"),
+    (["cpu", "--tables", "0,1", "--all"], "argument --all: not allowed with argument --tables"),
+    (["cpu", "--tables", "1", "--whole"], "--whole times table 0's generations whole; add 0 to --tables"),
 ] + ([] if torch.cuda.is_available() else [(["cuda"], "no CUDA GPU")]))
 def test_bad_arguments_get_one_line_and_a_non_zero_exit(args, message):
     run = subprocess.run([sys.executable, "bench.py", *args], capture_output=True, text=True)
     assert run.returncode != 0
     assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_the_default_run_prints_the_posts_table_first_and_runs_no_other_table(monkeypatch, capsys):
+    assert (bench.FULL["batches"], bench.FULL["lengths"]) == ((1, 16), (64, 256, 1024))  # the post's rows
+    monkeypatch.setattr(bench, "FULL", bench.FULL | {"batches": (1, 2), "lengths": (8, 12)})  # rows that run fast
+
+    def never(*args, **kwargs):
+        raise AssertionError("the default run went beyond the post's table")
+    for name in ("engine_forms", "check_compiler", "table_memory", "table_prefill", "table_kernels", "table_decode",
+                 "table_drift", "table_cuda", "table_peers"):
+        monkeypatch.setattr(bench, name, never)
+    monkeypatch.setattr(torch, "compile", never)
+    status, out, err = run_main(bench.main, ["bench.py"], monkeypatch, capsys)
+    assert status == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"bench.py: cpu ({bench.machine(torch.device('cpu'))['cpu']}), "
+                               f"{torch.get_num_threads()} thread") and f"torch {torch.__version__}" in lines[0]
+    assert lines[2].startswith("0. the post's table") and "Summed, not run whole" in out
+    header = lines.index("batch tokens   no cache tok/s      cache tok/s  speedup")
+    row = re.compile(r"\s*(\d+)\s+(\d+)\s+[\d,]+ ±\s*\d+%\s+[\d,]+ ±\s*\d+%\s+\d+\.\dx")  # tok/s twice, speedup
+    rows = [row.fullmatch(line) for line in lines[header + 1:header + 5]]
+    assert [r and r.groups() for r in rows] == [("1", "8"), ("1", "12"), ("2", "8"), ("2", "12")]
+    assert lines[header + 5:] == ["", "cache at 256 tokens, batch 1: 3.00 MiB measured (2 x 6 layers x 256 tokens "
+                                  "x 256 d_model x 4 bytes = 3.00 MiB)"]
+
+
+def test_summed_step_costs_are_the_steps_a_generation_runs_flat_past_the_window():
+    counts = bench.step_counts(1024, 256)
+    assert counts == [8, 16, 32, 64, 128, 256] and bench.step_counts(8, 256) == [8, 15]
+
+    def cost(n):  # any cost linear in the count: interpolating between timed counts is then exact
+        return 3 + 0.5 * n
+    for n_tokens in (8, 64, 256, 1024):
+        weights = bench.generation_weights(n_tokens, 256, counts)
+        summed = {loop: sum(w * cost(c) for w, c in zip(ws, counts)) for loop, ws in weights.items()}
+        # the uncached loop reruns the text so far (at most 256); the cached one keeps it before each step after
+        # the prefill, which is timed apart
+        assert summed["no_cache"] == pytest.approx(sum(cost(min(8 + j, 256)) for j in range(n_tokens)))
+        assert summed["cache"] == pytest.approx(sum(cost(min(7 + j, 256)) for j in range(1, n_tokens)))
+    longer, shorter = bench.generation_weights(1024, 256, counts), bench.generation_weights(256, 256, counts)
+    for loop in longer:  # every token past the window costs one step at the full window
+        assert [a - b for a, b in zip(longer[loop], shorter[loop])] == pytest.approx([0, 0, 0, 0, 0, 768])
 
 
 def test_an_existing_json_is_kept_unless_forced_and_a_missing_folder_fails_at_once(tmp_path):

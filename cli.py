@@ -85,20 +85,29 @@ def device_from(name):
 
 
 def free_memory(device):
-    """Bytes this process may still allocate on `device`: the GPU's free memory, or the machine's RAM."""
+    """Bytes this process may still allocate on `device`: the GPU's free memory, or the memory the system
+    says is available (Linux's MemAvailable, else free pages); None where the system does not say."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # native Windows has no sysconf
+        return None
 
 
 def check_fits(nbytes, what, device):
-    """Refuse, before allocating, what would take more than half of the memory `device` has."""
+    """Refuse, before allocating, what would take more than half of the memory `device` has available."""
     have = free_memory(device)
-    if nbytes > have // 2:
+    if have is not None and nbytes > have // 2:
         kind = "GPU memory" if torch.device(device).type == "cuda" else "memory"
         raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than half of this machine's "
-                         f"{have / 2**30:.1f} GiB of {kind}; ask for fewer rows or tokens")
+                         f"{have / 2**30:.1f} GiB of available {kind}; ask for fewer rows or tokens")
 
 
 def check_input(path, what, max_bytes, hint=""):

@@ -98,9 +98,9 @@ def onednn_packed(layer, rows):
 def split_rows(layer, rows):
     """W cut into blocks of output rows, one product per block in one torch.bmm, which runs the blocks on
     all cores: a BLAS multiplies a few rows by a small matrix on one core, so the others sit idle."""
-    w, parts = layer.weight, 2 * torch.get_num_threads()  # more blocks than cores, so none waits on one slow block
-    if w.shape[0] % parts:
-        return None
+    w = layer.weight
+    # about two blocks a core, so none waits on one slow block; a count that divides the rows, so every block is whole
+    parts = max(p for p in range(1, 2 * torch.get_num_threads() + 1) if w.shape[0] % p == 0)
     blocks, cols = w.view(parts, -1, w.shape[1]), rows.T.expand(parts, -1, -1)
     out = torch.bmm(blocks, cols) if layer.bias is None else torch.baddbmm(layer.bias.view(parts, -1, 1), blocks, cols)
     return out.view(w.shape[0], -1).T.contiguous()
@@ -256,11 +256,10 @@ def check_compiler(device, otherwise="or leave out --compile"):
 
 # inductor settings. On the CPU the weights are frozen into the graph as constants, which lets
 # max_autotune try its own C++ matrix multiplies (weights packed, every core used) against ATen's,
-# timed where it compiles: on a 2-core AMD EPYC a compiled step ran 1.5x (batch 16) to 1.9x (batch 1)
-# faster than with ATen's alone, for about 30 s of compiling. And the graph is called from C++ rather
-# than Python (4% to 17% faster there). bench.py table 3 times the step compiled each of these ways
-# where it runs; if a simpler way wins there, change it here. "freezing" is read by DecodeStep, not
-# inductor; the last two keep the autotuner's tables of timings off stderr.
+# timed where it compiles; and the graph is called from C++ rather than Python. bench.py table 3
+# times the step compiled each of these ways where it runs (docs/bench.md has the figures); if a
+# simpler way wins there, change it here. "freezing" is read by DecodeStep, not inductor; the last
+# two keep the autotuner's tables of timings off stderr.
 COMPILE_OPTIONS = {"cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                            "cpp_wrapper": True, "autotune_num_choices_displayed": 0,
                            "max_autotune_report_choices_stats": False},

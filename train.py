@@ -198,7 +198,7 @@ def main():
     cfg = Config()
     text = read_corpus(args.corpus, "pass --corpus PATH to a UTF-8 text file")
     tokenizer = BPE.load(args.tokenizer)
-    if tokenizer.vocab_size > cfg.vocab_size:
+    if tokenizer.vocab_size != cfg.vocab_size:  # a smaller one too: every script refuses such a pair later
         raise ValueError(f"tokenizer {args.tokenizer} has {tokenizer.vocab_size:,} tokens but the model's "
                          f"vocabulary is {cfg.vocab_size:,}; pass a tokenizer trained with --vocab {cfg.vocab_size}")
     corpus_sha, record = hashlib.sha256(text.encode()).hexdigest(), tokenizer.record()

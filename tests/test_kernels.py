@@ -24,6 +24,8 @@ def float64_product(layer, x):
 @pytest.mark.parametrize("bias", [True, False], ids=["mlp, with bias", "qkv, no bias"])
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_every_kernel_computes_the_product_through_the_models_linear(name, bias, rows):
+    if not kernels.runs_here(name, torch.device("cpu"), torch.float32):
+        pytest.skip(f"kernel {name!r} needs a library this torch build lacks")
     torch.manual_seed(0)
     block = CachedGPT(SMALL).eval().blocks[0]
     layer = block.mlp[0] if bias else block.attn.qkv

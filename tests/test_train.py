@@ -456,3 +456,13 @@ def test_a_missing_or_corrupt_resume_file_gets_one_line(tmp_path, killed_after_l
     victims = {name: sha256(tmp_path / name) for name in RUN_FILES if (tmp_path / name).exists()}
     assert_refused(train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys), "--resume: ")
     assert {name: sha256(tmp_path / name) for name in victims} == victims
+
+
+@pytest.mark.parametrize("vocab", [300, 5000], ids=["smaller", "larger"])
+def test_a_tokenizer_of_another_vocabulary_size_is_refused_before_training(tmp_path, vocab, monkeypatch, capsys):
+    tokenizer = BPE([(i // 256, i % 256) for i in range(vocab - 256)])  # two-byte tokens
+    tokenizer.save(tmp_path / "tok.json")
+    forbid_tokenizing(monkeypatch)
+    run = train(tmp_path, *TINY, "--tokenizer", str(tmp_path / "tok.json"), monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, f"has {vocab:,} tokens but the model's vocabulary is 4,096; pass a tokenizer trained with")
+    assert not any((tmp_path / name).exists() for name in RUN_FILES)

@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import time
 from types import SimpleNamespace
 
@@ -170,9 +171,23 @@ def uses_amx(llama_cpp):
     return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
 
 
+GGML_LOG_LEVEL_ERROR = 4  # ggml's log levels: none, debug, info, warn, error, cont
+LOG_CALLBACK = []  # the ctypes callback llama.cpp holds, kept alive for as long as the process runs
+
+
+def quiet_llama(llama_cpp):
+    """llama.cpp's own log to stderr, errors only: its load and context reports would bury the results."""
+    def errors_only(level, text, user_data):
+        if level == GGML_LOG_LEVEL_ERROR:
+            sys.stderr.write(text.decode(errors="replace"))
+    LOG_CALLBACK[:] = [llama_cpp.llama_log_callback(errors_only)]
+    llama_cpp.llama_log_set(LOG_CALLBACK[0], None)
+
+
 def llama_tokenize(path, texts):
     """(ids, decoded text) for each text through the GGUF's own tokenizer (its vocabulary only, no weights)."""
     llama_cpp = engine("llama_cpp")
+    quiet_llama(llama_cpp)
     llm = llama_cpp.Llama(os.fspath(path), vocab_only=True, verbose=False)
     return [(ids, llm.detokenize(ids).decode()) for ids in (llm.tokenize(t.encode(), add_bos=True) for t in texts)]
 
@@ -184,6 +199,7 @@ def llama_greedy(path, prompt, batch, n_tokens, threads, runs=1):
     The prompt is decoded once into KV cells every sequence shares (the prefill-and-clone
     trick), then each step decodes one token per sequence in one call."""
     llama_cpp = engine("llama_cpp")
+    quiet_llama(llama_cpp)
     model = llama_cpp.llama_model_load_from_file(os.fsencode(path), llama_model_params(llama_cpp))
     if not model:
         raise ValueError(f"llama.cpp could not load {os.fspath(path)!r}")

@@ -159,9 +159,8 @@ def llama_model_params(llama_cpp):
     """llama.cpp's default model parameters, without the weight repacking that crashes on AMX CPUs.
 
     A llama.cpp built with Intel AMX repacks quantized (q8_0) weights into an AMX buffer, and decoding
-    from it segfaults on such VMs (ggml-org/llama.cpp#20824). Without AMX nothing this repo writes is
-    repacked on x86 (f32, f16 and q8_0 keep their layout), so repacking stays on everywhere else:
-    an Arm CPU repacks q8_0 for its int8 matrix instructions."""
+    from it segfaults on such VMs (ggml-org/llama.cpp#20824). Elsewhere the repacking stays on: it is
+    much faster where it works (docs/serving.md has the figures)."""
     params = llama_cpp.llama_model_default_params()
     params.use_extra_bufts = not uses_amx(llama_cpp)
     return params

@@ -365,7 +365,7 @@ def test_compiled_engine_gives_the_eager_tokens_compiles_once_per_batch_and_neve
             for p, q in zip(model.parameters(), small(seed=seed).parameters()):  # scores are too flat)
                 p.copy_(q * 10)
         if seed == 1:  # the first Engine froze the old weights into its step: it must refuse, not run them
-            with pytest.raises(ValueError, match="weights changed after this Engine made its decode step"):
+            with pytest.raises(ValueError, match="weights changed after this Engine was made"):
                 engine.generate_batch(PROMPT, 2, max_tokens=3)
         engine = FastEngine(model, compile=True)
         for prompt, n in ((PROMPT, 12), (PROMPT[:3], 5)):  # one compile serves every prompt and length

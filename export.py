@@ -42,6 +42,9 @@ import os
 import shutil
 import tempfile
 
+# before torch: cli.startup_failure makes a failing import one line
+from cli import Parser, appeared, atomic_write, check_output, place, run_cli, shown, write_failure
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 import transformers
@@ -50,7 +53,6 @@ from transformers.utils import logging
 
 from cached import first_difference, load_pair
 import serve
-from cli import Parser, appeared, atomic_write, check_output, place, run_cli, shown, write_failure
 
 SAMPLE = ("To Sherlock Holmes she is always the woman. \"You have been in Afghanistan, I perceive,\" "
           "said he. It's a capital mistake to theorize before one has data.\n\n    Café, naïve, 1895!")

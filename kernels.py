@@ -24,11 +24,13 @@ import types
 import warnings
 import weakref
 
+# before torch: cli.startup_failure makes a failing import one line
+from cli import Parser, device_from, run_cli
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cli import Parser, device_from, run_cli
 from prefill_clone import Engine, KVCache, clone_prompt, sync
 
 PREPARED = weakref.WeakKeyDictionary()  # layer -> {kernel name: (weight version, reordered weight)}

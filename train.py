@@ -18,18 +18,34 @@ import os
 import sys
 import time
 
+# before torch: cli.startup_failure makes a failing import one line
+from cli import Parser, atomic_write, check_input, check_output, device_from, run_cli, show_progress, shown
+
 import numpy as np
 import torch
 
 from bpe import BPE, read_corpus
-from cli import Parser, atomic_write, check_input, check_output, device_from, run_cli, show_progress
 from checks import save_checkpoint
 from model import GPT, Config
 
 BATCH = 32
 CACHE_DIR = "data"
 MAX_RESUME_BYTES = 2**30  # Part 3's model with AdamW's two moments takes about 70 MB
-RESUME_KEYS = ("run", "model", "optimizer", "generator", "step", "best_val", "elapsed")
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+RESUME_KINDS = {  # what a resume file holds: each key's kind, and the test of it
+    "run": ("a dict", lambda v: isinstance(v, dict)),
+    "model": ("a state dict", lambda v: isinstance(v, dict)),
+    "optimizer": ("an optimizer state dict", lambda v: isinstance(v, dict)),
+    "generator": ("a uint8 tensor", lambda v: isinstance(v, torch.Tensor) and v.dtype == torch.uint8),
+    "step": ("a whole number >= 0", lambda v: type(v) is int and v >= 0),
+    "best_val": ("a loss", lambda v: is_number(v) and not math.isnan(v)),
+    "elapsed": ("a finite number of seconds >= 0", lambda v: is_number(v) and math.isfinite(v) and v >= 0),
+}
 
 
 def cache_path(corpus_sha, tokenizer_sha):
@@ -52,13 +68,29 @@ def cache_path(corpus_sha, tokenizer_sha):
 def load_ids(text, tokenizer, cache):
     """The corpus as uint16 ids: from the cache, or tokenized once and cached."""
     if os.path.isfile(cache):
-        return np.load(cache)
+        return read_ids(cache, tokenizer.vocab_size)
     t0 = time.time()
     ids = np.array(tokenizer.encode(text), dtype=np.uint16)
     with atomic_write(cache, force=True) as f:  # what may stand there is the same ids, cached by another run
         np.save(f, ids)
     print(f"tokenized {len(text.encode()):,} bytes into {len(ids):,} tokens in {time.time() - t0:.1f}s",
           file=sys.stderr)
+    return ids
+
+
+def read_ids(cache, vocab_size):
+    """The cached ids, or a one-line error naming the cache file: it is only a copy, so the way on is to remove it."""
+    way_on = "remove it and train.py tokenizes the corpus again"
+    try:
+        ids = np.load(cache, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"the token id cache {shown(cache)} cannot be read ({e}); {way_on}") from None
+    if ids.dtype != np.uint16 or ids.ndim != 1:
+        raise ValueError(f"the token id cache {shown(cache)} holds {ids.dtype} of shape {ids.shape}, not a row "
+                         f"of uint16 ids; {way_on}")
+    if len(ids) and int(ids.max()) >= vocab_size:
+        raise ValueError(f"the token id cache {shown(cache)} holds id {int(ids.max())}, outside the tokenizer's "
+                         f"0..{vocab_size - 1}; {way_on}")
     return ids
 
 
@@ -119,13 +151,22 @@ def read_resume(name, device):
     except Exception as e:
         raise ValueError(f"--resume: {path} or its CSV log cannot be read ({type(e).__name__}); "
                          "start again without --resume") from None
-    missing = [k for k in RESUME_KEYS if not isinstance(state, dict) or k not in state]
+    missing = [k for k in RESUME_KINDS if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"--resume: {path} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
                          "start again without --resume")
+    check_resume_values(state, path)
     if not all(row and row[0].isdigit() for row in rows):
         raise ValueError(f"--resume: {log} has a row that does not start with a step; start again without --resume")
     return state, [row for row in rows if int(row[0]) <= state["step"]]
+
+
+def check_resume_values(state, path):
+    """Each value a resume file holds is of the kind train.py wrote, named where it is not."""
+    for key, (kind, ok) in RESUME_KINDS.items():
+        if not ok(state[key]):
+            raise ValueError(f"--resume: {shown(path)} holds {key!r} = {repr(state[key])[:40]}, not {kind}; "
+                             "start again without --resume")
 
 
 def check_outputs(name, force, resume, inputs):

@@ -97,6 +97,8 @@ class BPE:
                 data = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
+        except ValueError as e:  # an integer of thousands of digits: past Python's limit for converting one
+            raise ValueError(f"{path} holds a value JSON cannot be read into ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
         except RecursionError:
             raise ValueError(f"{path} is nested too deeply to be a tokenizer; expected {{\"merges\": [[a, b], ...]}}") from None
         if not isinstance(data, dict) or set(data) != {"merges"} or not isinstance(data["merges"], list):

@@ -272,6 +272,8 @@ def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, k
     forced ids),
     or a one-line error naming the first that is wrong."""
     model = engine.model
+    if not callable(getattr(model, "step", None)):  # a plain GPT has no cached step: it would fail at the first token
+        raise ValueError(f"the Engine needs a CachedGPT (cached.load gives one), got a {type(model).__name__}")
     vocab = model.cfg.vocab_size
     if model.training:
         raise ValueError("the model is in training mode, where dropout changes every token; call model.eval() first")

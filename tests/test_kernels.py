@@ -69,6 +69,14 @@ def test_a_fast_kernel_that_is_not_exact_is_never_chosen(monkeypatch):
     assert choose(model, 2)[0] not in ("wrong", None)
 
 
+def test_where_no_kernel_is_exact_nn_linear_is_chosen(monkeypatch):
+    """A model whose products overflow in every kernel: nn.Linear is then what the model itself computes."""
+    monkeypatch.setattr(kernels, "exact", lambda *args: False)
+    monkeypatch.setattr(kernels, "CHOSEN", {})
+    name, measured = choose(CachedGPT(SMALL).eval(), 2)
+    assert name == "nn" and all(t is None for t in measured.values())
+
+
 def test_the_choice_is_measured_once_per_batch_and_kept(monkeypatch):
     model = CachedGPT(SMALL).eval()
     monkeypatch.setattr(kernels, "CHOSEN", {})

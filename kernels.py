@@ -25,7 +25,7 @@ import warnings
 import weakref
 
 # before torch: cli.startup_failure makes a failing import one line
-from cli import Parser, device_from, run_cli
+from cli import Parser, check_fits, device_from, run_cli
 
 import torch
 import torch.nn as nn
@@ -432,7 +432,12 @@ def main():
     if min(args.batches) < 1:
         raise ValueError(f"--batches must be whole numbers >= 1, got {args.batches}")
     from cached import CachedGPT
-    model = CachedGPT().to(device_from(args.device)).eval()
+    device = device_from(args.device)
+    model = CachedGPT().to(device).eval()
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for batch in args.batches:  # measure holds every layer's input rows, and each product's output, at once
+        rows_bytes = batch * sum(layer.in_features + layer.out_features for layer in layers) * 4
+        check_fits(rows_bytes, f"--batches {batch} (a step's inputs and outputs)", device)
     for batch in args.batches:
         winner, measured = choose(model, batch)
         cells = ", ".join(f"{n} {'not exact' if t is None else f'{t * 1e3:.2f} ms'}" for n, t in measured.items())

@@ -200,13 +200,13 @@ def check_input(path, what, max_bytes, hint=""):
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {path} not found{'; ' + hint if hint else ''}") from None
+        raise FileNotFoundError(f"{what} {shown(path)} not found{'; ' + hint if hint else ''}") from None
     if stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"{what} {path} is a folder; give a file")
+        raise ValueError(f"{what} {shown(path)} is a folder; give a file")
     if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"{what} {path} is not a regular file (a pipe or a device?); give a file")
+        raise ValueError(f"{what} {shown(path)} is not a regular file (a pipe or a device?); give a file")
     if info.st_size > max_bytes:
-        raise ValueError(f"{what} {path} is {info.st_size / 2**20:,.0f} MiB, more than the "
+        raise ValueError(f"{what} {shown(path)} is {info.st_size / 2**20:,.0f} MiB, more than the "
                          f"{max_bytes / 2**20:,.0f} MiB such a file can sensibly be")
     return info.st_size
 

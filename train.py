@@ -140,7 +140,7 @@ def read_resume(name, device):
         instead = "start without --resume"
         if os.path.lexists(f"{name}.pt"):
             instead = f"to train again, pass --force instead of --resume to replace {name}.pt, or --out NAME"
-        raise ValueError(f"--resume: there is no cut-short run to go on from ({path} not found; a run that "
+        raise ValueError(f"--resume: there is no cut-short run to go on from ({shown(path)} not found; a run that "
                          f"finishes removes it); {instead}")
     for p in (path, log):
         check_input(p, "--resume:", MAX_RESUME_BYTES, "start without --resume")
@@ -149,11 +149,11 @@ def read_resume(name, device):
         with open(log, newline="") as f:
             rows = list(csv.reader(f))[1:]
     except Exception as e:
-        raise ValueError(f"--resume: {path} or its CSV log cannot be read ({type(e).__name__}); "
+        raise ValueError(f"--resume: {shown(path)} or its CSV log cannot be read ({type(e).__name__}); "
                          "start again without --resume") from None
     missing = [k for k in RESUME_KINDS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise ValueError(f"--resume: {path} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
+        raise ValueError(f"--resume: {shown(path)} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
                          "start again without --resume")
     check_resume_values(state, path)
     if not all(row and row[0].isdigit() for row in rows):
@@ -186,7 +186,7 @@ def check_same_run(here, then, args):
             continue
         if flag in ("--corpus", "--tokenizer"):
             path = args.corpus if flag == "--corpus" else args.tokenizer
-            raise ValueError(f"--resume: {flag} {path} is not the file the run being resumed used (its sha256 "
+            raise ValueError(f"--resume: {flag} {shown(path)} is not the file the run being resumed used (its sha256 "
                              f"differs); pass that file, or start again without --resume")
         raise ValueError(f"--resume: {flag} is {value} here but the run being resumed used {then.get(flag)}; "
                          "pass the same, or start again without --resume")
@@ -240,7 +240,7 @@ def main():
     text = read_corpus(args.corpus, "pass --corpus PATH to a UTF-8 text file")
     tokenizer = BPE.load(args.tokenizer)
     if tokenizer.vocab_size != cfg.vocab_size:  # a smaller one too: every script refuses such a pair later
-        raise ValueError(f"tokenizer {args.tokenizer} has {tokenizer.vocab_size:,} tokens but the model's "
+        raise ValueError(f"tokenizer {shown(args.tokenizer)} has {tokenizer.vocab_size:,} tokens but the model's "
                          f"vocabulary is {cfg.vocab_size:,}; pass a tokenizer trained with --vocab {cfg.vocab_size}")
     corpus_sha, record = hashlib.sha256(text.encode()).hexdigest(), tokenizer.record()
     tokenizer_sha = record["sha256"]
@@ -253,7 +253,7 @@ def main():
     ids = load_ids(text, tokenizer, cache_path(corpus_sha, tokenizer_sha))
     ids = torch.from_numpy(ids.astype(np.int64))
     if len(ids) < 10 * (cfg.context + 2):
-        raise ValueError(f"corpus {args.corpus} gives {len(ids):,} tokens; at least {10 * (cfg.context + 2):,} are "
+        raise ValueError(f"corpus {shown(args.corpus)} gives {len(ids):,} tokens; at least {10 * (cfg.context + 2):,} are "
                          f"needed for the last 10% to hold one {cfg.context + 1}-token validation window")
     split = int(0.9 * len(ids))
     train_ids, val_ids = ids[:split], ids[split:]

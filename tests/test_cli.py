@@ -19,6 +19,7 @@ import pytest
 import bench
 import bpe as bpe_module
 import cached
+import checks
 import cli
 import test_train
 import train as train_module
@@ -96,6 +97,25 @@ def test_a_path_with_a_newline_is_quoted_so_the_message_stays_one_line(tmp_path)
     with pytest.raises(ValueError) as refused:
         check_output(odd)
     assert str(refused.value) == f"{str(odd)!r} already exists; pass --force to replace it"
+
+
+@pytest.mark.parametrize("read, content", [
+    (lambda path: check_input(path, "checkpoint", 2**20), None),  # missing
+    (lambda path: check_input(path, "checkpoint", 2**20), "folder"),
+    (lambda path: check_input(path, "checkpoint", 1), b"too long"),
+    (lambda path: checks.load_checkpoint(path), b"not a checkpoint"),
+    (BPE.load, b"{not json"),
+    (bpe_module.read_corpus, b"\xff not UTF-8"),
+], ids=["missing", "folder", "too-large", "checkpoint", "tokenizer", "corpus"])
+def test_every_message_naming_an_input_path_quotes_a_newline_in_it(tmp_path, read, content):
+    odd = tmp_path / "x\ny"
+    if content == "folder":
+        odd.mkdir()
+    elif content is not None:
+        odd.write_bytes(content)
+    with pytest.raises((ValueError, OSError)) as refused:
+        read(odd)
+    assert repr(str(odd)) in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
 
 @pytest.mark.parametrize("links", ["hard links", "no hard links"])
@@ -375,6 +395,25 @@ APPEARING = {
                                       path.symlink_to(path.with_suffix(".kept"))),
     "a dangling link": lambda path: path.symlink_to("nowhere"),
 }
+
+
+@pytest.mark.parametrize("read, content", [
+    (lambda path: check_input(path, "checkpoint", 2**20), None),  # missing
+    (lambda path: check_input(path, "checkpoint", 2**20), "folder"),
+    (lambda path: check_input(path, "checkpoint", 1), b"too long"),
+    (lambda path: checks.load_checkpoint(path), b"not a checkpoint"),
+    (BPE.load, b"{not json"),
+    (bpe_module.read_corpus, b"\xff not UTF-8"),
+], ids=["missing", "folder", "too-large", "checkpoint", "tokenizer", "corpus"])
+def test_every_message_naming_an_input_path_quotes_a_newline_in_it(tmp_path, read, content):
+    odd = tmp_path / "x\ny"
+    if content == "folder":
+        odd.mkdir()
+    elif content is not None:
+        odd.write_bytes(content)
+    with pytest.raises((ValueError, OSError)) as refused:
+        read(odd)
+    assert repr(str(odd)) in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
 
 @pytest.mark.parametrize("links", ["hard links", "no hard links"])

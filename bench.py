@@ -45,10 +45,12 @@ import platform
 import time
 from bisect import bisect_left
 
+# before torch: cli.startup_failure makes a failing import one line
+from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
+
 import torch
 
 from cached import CachedGPT, LayerCache, first_difference, load
-from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
 from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, FastEngine, check_compiler, choose, sync, with_kernel
 from model import Config
 from prefill_clone import clone_prompt, prompt_per_row, run_prompt, timed_generation

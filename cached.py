@@ -26,10 +26,12 @@ reproduce the two bugs and report after how many of 100 tokens each drifts.
 import sys
 import time
 
+# before torch: cli.startup_failure makes a failing import one line
+from cli import Parser, check_count, run_cli, show_progress
+
 import torch
 
 from checks import load_checkpoint, prompt_ids, tokenizer_for
-from cli import Parser, check_count, run_cli, show_progress
 # Config too: the series' scripts import it from here (`from cached import CachedGPT, Config`).
 from model import GPT, Block, Config, RoPEAttention, check_finite, greedy, rope_at  # noqa: F401
 

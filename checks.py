@@ -16,7 +16,7 @@ from dataclasses import fields
 import torch
 
 from bpe import BPE, utf8_bytes
-from cli import as_id, atomic_write, check_count, check_fits, check_input, device_from
+from cli import as_id, atomic_write, check_count, check_fits, check_input, device_from, shown
 from model import GPT, Config
 
 
@@ -85,17 +85,17 @@ def check_archive(path):
     with archive:
         packed = next((i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
         if packed:
-            raise ValueError(f"{path}: entry {packed!r} is compressed, which torch.save never does; "
+            raise ValueError(f"{shown(path)}: entry {packed!r} is compressed, which torch.save never does; "
                              "this file was not written by torch.save")
         damaged = archive.testzip()
     if damaged:
-        raise ValueError(f"{path} is damaged: entry {damaged!r} fails its checksum; copy or download it again")
+        raise ValueError(f"{shown(path)} is damaged: entry {damaged!r} fails its checksum; copy or download it again")
 
 
 def read_checkpoint(path):
     """The checkpoint's dict, loaded as data (weights_only), or a one-line error."""
     check_input(path, "checkpoint", MAX_CHECKPOINT_BYTES, "pass a Part 3 .pt file or train one")
-    check_fits(os.path.getsize(path), f"checkpoint {path}", "cpu")
+    check_fits(os.path.getsize(path), f"checkpoint {shown(path)}", "cpu")
     check_archive(path)
     try:
         with warnings.catch_warnings():  # torch's pickle-protocol warning would break the one-line error
@@ -103,16 +103,16 @@ def read_checkpoint(path):
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         if "Weights only load failed" in str(e):
-            raise ValueError(f"{path} is not a plain-tensor checkpoint: it is not a torch.save file, or it holds "
+            raise ValueError(f"{shown(path)} is not a plain-tensor checkpoint: it is not a torch.save file, or it holds "
                              "code or objects that are not plain tensors and must not be loaded") from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{path} is not a loadable checkpoint ({first_line})") from None
+        raise ValueError(f"{shown(path)} is not a loadable checkpoint ({first_line})") from None
     if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict) and isinstance(ckpt.get("config"), dict)):
-        raise ValueError(f"{path} is not a Part 3 checkpoint: expected a dict with 'model' (state dict) and 'config'")
+        raise ValueError(f"{shown(path)} is not a Part 3 checkpoint: expected a dict with 'model' (state dict) and 'config'")
     for part in ("model", "config"):
         odd = next((k for k in ckpt[part] if not isinstance(k, str)), None)
         if odd is not None:
-            raise ValueError(f"{path}: its {part} dict has a key {odd!r} that is not a name; "
+            raise ValueError(f"{shown(path)}: its {part} dict has a key {odd!r} that is not a name; "
                              "is this a Part 3 checkpoint?")
     return ckpt
 
@@ -152,19 +152,19 @@ def config_from(d, path="checkpoint"):
     known = [f.name for f in fields(Config)]
     unknown = sorted(set(d) - set(known))
     if unknown:
-        raise ValueError(f"{path}: unknown config field {unknown[0]!r}; known fields are {known}")
+        raise ValueError(f"{shown(path)}: unknown config field {unknown[0]!r}; known fields are {known}")
     missing = [f for f in SHAPE_FIELDS if f not in d]
     if missing:
-        raise ValueError(f"{path}: its config lacks {missing[0]!r}; a checkpoint's config holds every field that "
+        raise ValueError(f"{shown(path)}: its config lacks {missing[0]!r}; a checkpoint's config holds every field that "
                          f"shapes the model, {list(SHAPE_FIELDS)} (dropout, and n_kv_heads, may be left to their defaults)")
     if "n_kv_heads" in d and d["n_kv_heads"] in (0, False):
-        raise ValueError(f"{path}: config n_kv_heads is {d['n_kv_heads']!r}; expected a whole number >= 1")
+        raise ValueError(f"{shown(path)}: config n_kv_heads is {d['n_kv_heads']!r}; expected a whole number >= 1")
     try:
         cfg = check_config(Config(**d))
     except (ValueError, TypeError, ZeroDivisionError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{shown(path)}: {e}") from None
     check_fits(4 * parameter_count(cfg) + MODULE_BYTES * cfg.n_layers,
-               f"{path}: the model its config describes ({cfg.n_layers} layers of width {cfg.d_model}, "
+               f"{shown(path)}: the model its config describes ({cfg.n_layers} layers of width {cfg.d_model}, "
                f"vocabulary {cfg.vocab_size})", "cpu")
     return cfg
 
@@ -174,24 +174,24 @@ def check_state_dict(given, expected, path):
     for key, want in expected.items():
         got = given.get(key)
         if got is None:
-            raise ValueError(f"{path}: weight {key!r} is missing; is this a Part 3 checkpoint?")
+            raise ValueError(f"{shown(path)}: weight {key!r} is missing; is this a Part 3 checkpoint?")
         if not isinstance(got, torch.Tensor):
-            raise ValueError(f"{path}: weight {key!r} is a {type(got).__name__}, not a tensor")
+            raise ValueError(f"{shown(path)}: weight {key!r} is a {type(got).__name__}, not a tensor")
         if got.layout != torch.strided or got.is_meta:
-            raise ValueError(f"{path}: weight {key!r} is a {got.layout} {got.device.type} tensor; "
+            raise ValueError(f"{shown(path)}: weight {key!r} is a {got.layout} {got.device.type} tensor; "
                              "a checkpoint holds dense tensors with values")
         if tuple(got.shape) != tuple(want.shape):
-            raise ValueError(f"{path}: weight {key!r} has shape {tuple(got.shape)} "
+            raise ValueError(f"{shown(path)}: weight {key!r} has shape {tuple(got.shape)} "
                              f"but the config needs {tuple(want.shape)}")
         if not got.is_floating_point() or not torch.isfinite(got).all():
-            raise ValueError(f"{path}: weight {key!r} holds NaN, infinite or non-float values; "
+            raise ValueError(f"{shown(path)}: weight {key!r} holds NaN, infinite or non-float values; "
                              "this checkpoint cannot give meaningful output")
     extra = sorted(set(given) - set(expected))
     if extra:
-        raise ValueError(f"{path}: unexpected weight {extra[0]!r}; is this a Part 3 checkpoint?")
+        raise ValueError(f"{shown(path)}: unexpected weight {extra[0]!r}; is this a Part 3 checkpoint?")
     if not torch.equal(given["head.weight"], given["emb.weight"]):
         # the model ties the two: loading would keep one and silently drop the other
-        raise ValueError(f"{path}: head.weight differs from emb.weight, but Part 3's model ties them (one matrix); "
+        raise ValueError(f"{shown(path)}: head.weight differs from emb.weight, but Part 3's model ties them (one matrix); "
                          "this checkpoint is of another model")
 
 
@@ -235,14 +235,14 @@ def tokenizer_for(model, checkpoint, tokenizer_path):
     checkpoint that records none (Part 3's), if its vocabulary differs in size."""
     tokenizer = BPE.load(tokenizer_path)
     if tokenizer.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but {checkpoint} a vocabulary of "
+        raise ValueError(f"{shown(tokenizer_path)} has {tokenizer.vocab_size} tokens but {shown(checkpoint)} a vocabulary of "
                          f"{model.cfg.vocab_size}; give the tokenizer this checkpoint was trained with (--tokenizer)")
     trained_with = model.trained_with
     if trained_with is None:
-        print(f"note: {checkpoint} does not record its tokenizer; assuming {tokenizer_path} (--tokenizer)",
+        print(f"note: {shown(checkpoint)} does not record its tokenizer; assuming {shown(tokenizer_path)} (--tokenizer)",
               file=sys.stderr)
     elif not isinstance(trained_with, dict) or trained_with.get("sha256") != tokenizer.record()["sha256"]:
-        raise ValueError(f"{tokenizer_path} is not the tokenizer {checkpoint} was trained with (their merges differ); "
+        raise ValueError(f"{shown(tokenizer_path)} is not the tokenizer {shown(checkpoint)} was trained with (their merges differ); "
                          "give the right one with --tokenizer")
     return tokenizer
 
@@ -272,6 +272,8 @@ def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, k
     forced ids),
     or a one-line error naming the first that is wrong."""
     model = engine.model
+    if not callable(getattr(model, "step", None)):  # a plain GPT has no cached step: it would fail at the first token
+        raise ValueError(f"the Engine needs a CachedGPT (cached.load gives one), got a {type(model).__name__}")
     vocab = model.cfg.vocab_size
     if model.training:
         raise ValueError("the model is in training mode, where dropout changes every token; call model.eval() first")

@@ -17,7 +17,33 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-import torch
+
+def startup_failure(kind, error, trace):
+    """Until run_cli starts a script's main, what an import raises is one line and exit status 1.
+
+    Set before torch is imported, so a TORCH_LOGS torch does not know, or an import that fails under a
+    memory limit, names its cause; an abort inside torch's C++ (std::bad_alloc) never reaches Python.
+    """
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    if issubclass(kind, KeyboardInterrupt):
+        reason = "interrupted while starting"
+    elif "TORCH_LOGS" in str(error):
+        reason = (f"TORCH_LOGS={os.environ.get('TORCH_LOGS', '')!r} is not a setting torch knows; "
+                  "unset it, or see TORCH_LOGS=help")
+    elif issubclass(kind, ImportError):
+        reason = f"cannot import {error.name or 'a module'} ({first_line(error)}); pip install -r requirements.txt"
+    else:
+        reason = f"cannot start: {kind.__name__}: {first_line(error)}"
+    print(f"{name}: error: {reason}", file=sys.stderr)
+
+
+def first_line(error):
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "no reason given")
+
+
+sys.excepthook = startup_failure
+
+import torch  # noqa: E402  after the hook, so that its failure is one line
 
 
 class Parser(argparse.ArgumentParser):
@@ -31,26 +57,82 @@ def interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
+class WatchedStdout:
+    """sys.stdout as it was, keeping the OSError a write or flush raised: a print that fails is then
+    said as standard output's failure, not as a bare errno."""
+
+    failed = None
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def run_cli(main):
     """Run a script's main; bad input becomes one line on stderr and exit status 1.
 
     SIGTERM is turned into KeyboardInterrupt, so a killed run unwinds like Ctrl-C: every
-    atomic_write in progress removes its temporary file on the way out.
+    atomic_write in progress removes its temporary file on the way out. Standard output is
+    flushed before the end (stdout_failed says how a failed write to it ends).
     """
     name = os.path.basename(sys.argv[0])
+    sys.excepthook = sys.__excepthook__  # started: from here a bug is a traceback, and bad input is caught below
     signal.signal(signal.SIGTERM, interrupted)
+    stdout = sys.stdout = WatchedStdout(sys.stdout)
     try:
-        main()
+        try:
+            main()
+        finally:
+            if sys.stdout is stdout:
+                sys.stdout = stdout.stream
+        stdout.flush()
     except KeyboardInterrupt:
         print(file=sys.stderr)
         sys.exit(f"{name}: interrupted; nothing half-written was left behind")
     except (ValueError, OSError) as e:
+        if e is stdout.failed:
+            stdout_failed(name, e)
         sys.exit(f"{name}: error: {e}")
     except (MemoryError, RuntimeError) as e:
         # under a process memory limit torch's allocator raises RuntimeError, not MemoryError
         if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("allocate", "out of memory")):
             raise
         sys.exit(f"{name}: error: out of memory; ask for fewer rows or tokens, or a smaller model")
+    except SystemExit:  # --help, or a script's own exit: what it printed must still reach the reader
+        try:
+            stdout.flush()
+        except OSError as e:
+            stdout_failed(name, e)
+        raise
+
+
+def stdout_failed(name, error):
+    """A reader that went away (`| head`, a closed pipe) ends the run silently with status 141, what a
+    shell reports for a tool SIGPIPE ended; a full disk or another write error is one line. Either way
+    standard output then points at the null device, so the flush at exit cannot complain again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout with no descriptor (a test's capture)
+        pass
+    if error.errno == errno.EPIPE:
+        sys.exit(141)
+    sys.exit(f"{name}: error: cannot write to standard output: {error.strerror or error}")
 
 
 def check_count(name, n):
@@ -118,13 +200,13 @@ def check_input(path, what, max_bytes, hint=""):
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {path} not found{'; ' + hint if hint else ''}") from None
+        raise FileNotFoundError(f"{what} {shown(path)} not found{'; ' + hint if hint else ''}") from None
     if stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"{what} {path} is a folder; give a file")
+        raise ValueError(f"{what} {shown(path)} is a folder; give a file")
     if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"{what} {path} is not a regular file (a pipe or a device?); give a file")
+        raise ValueError(f"{what} {shown(path)} is not a regular file (a pipe or a device?); give a file")
     if info.st_size > max_bytes:
-        raise ValueError(f"{what} {path} is {info.st_size / 2**20:,.0f} MiB, more than the "
+        raise ValueError(f"{what} {shown(path)} is {info.st_size / 2**20:,.0f} MiB, more than the "
                          f"{max_bytes / 2**20:,.0f} MiB such a file can sensibly be")
     return info.st_size
 

@@ -42,6 +42,9 @@ import os
 import shutil
 import tempfile
 
+# before torch: cli.startup_failure makes a failing import one line
+from cli import Parser, appeared, atomic_write, check_output, place, run_cli, shown, write_failure
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 import transformers
@@ -50,7 +53,6 @@ from transformers.utils import logging
 
 from cached import first_difference, load_pair
 import serve
-from cli import Parser, appeared, atomic_write, check_output, place, run_cli, shown, write_failure
 
 SAMPLE = ("To Sherlock Holmes she is always the woman. \"You have been in Afghanistan, I perceive,\" "
           "said he. It's a capital mistake to theorize before one has data.\n\n    Café, naïve, 1895!")
@@ -128,8 +130,7 @@ def fast_tokenizer(bpe):
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0):
-    cfg = model.cfg
+def neox_config(cfg, rotary_pct=1.0):
     neox = GPTNeoXConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, intermediate_size=4 * cfg.d_model, hidden_act="gelu",
@@ -140,7 +141,39 @@ def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0):
     # transformers 5 writes the rotary fraction into rope_parameters only; transformers 4 (and the
     # engines' converters) read rotary_pct, and without it take 0.25: 16 of 64 channels rotate.
     neox.rotary_pct, neox.rotary_emb_base = rotary_pct, 10000
-    hf = GPTNeoXForCausalLM(neox)
+    return neox
+
+
+# the config.json fields that change what the model computes, as any reader (transformers 4 or 5, an engine) reads them
+SHAPING_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "hidden_act", "rotary_pct", "rotary_emb_base", "rope_parameters", "rope_theta",
+                  "max_position_embeddings", "layer_norm_eps", "use_parallel_residual", "tie_word_embeddings",
+                  "attention_bias")
+TOKENIZER_PARTS = ("normalizer", "pre_tokenizer", "model", "decoder")  # what turns text into ids and back
+
+
+def folder_differences(model, bpe, path, hf, hf_tokenizer):
+    """Every way the folder is not exactly this export: each config field that shapes the model, each
+    weight (bit for bit), and the whole tokenizer (every token's id, every merge's rank)."""
+    with open(os.path.join(path, "config.json")) as f:
+        written = json.load(f)
+    expected = neox_config(model.cfg).to_dict()
+    found = [f"config.json: {key} is {written.get(key)!r}, not {expected[key]!r}"
+             for key in SHAPING_FIELDS if key in expected and written.get(key) != expected[key]]
+    weights, loaded = neox_state_dict(model), hf.state_dict()
+    if "embed_out.weight" in loaded:  # transformers 4's name for the output matrix
+        weights["embed_out.weight"] = weights.pop("lm_head.weight")
+    found += [f"model.safetensors: {name} differs from the checkpoint's" for name, tensor in weights.items()
+              if name not in loaded or not torch.equal(loaded[name], tensor)]
+    theirs = json.loads(hf_tokenizer.backend_tokenizer.to_str())
+    ours = json.loads(fast_tokenizer(bpe).backend_tokenizer.to_str())
+    found += [f"tokenizer.json: its {part} differs from the tokenizer's" for part in TOKENIZER_PARTS
+              if theirs.get(part) != ours.get(part)]
+    return found
+
+
+def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0):
+    hf = GPTNeoXForCausalLM(neox_config(model.cfg, rotary_pct))
     weights = neox_state_dict(model, fix_layout)
     if "embed_out.weight" in hf.state_dict():  # transformers 4's name for the output matrix
         weights["embed_out.weight"] = weights.pop("lm_head.weight")
@@ -157,6 +190,20 @@ def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0):
 
 def load_folder(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def read_folder(path):
+    """load_folder, where whatever transformers, safetensors or tokenizers raise on a damaged folder is one line."""
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its load report would print a table of missing weights before the error
+    try:
+        return load_folder(path)
+    except Exception as e:  # the libraries' own kinds (SafetensorError, a tokenizers Exception, OSError, ...)
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"--check {shown(path)}: transformers cannot load it ({type(e).__name__}: {reason[:200]}); "
+                         "export it again") from None
+    finally:
+        logging.set_verbosity(verbosity)
 
 
 @torch.no_grad()
@@ -344,11 +391,16 @@ def check_folder(args):
     if args.broken or args.gguf or args.ct2 or args.out_dir:
         raise ValueError("--check reads a folder and writes nothing; give it with CHECKPOINT and --tokenizer only")
     if not os.path.isdir(args.check) or not os.path.exists(os.path.join(args.check, "config.json")):
-        raise ValueError(f"--check {args.check}: not a folder with a config.json; give an exported folder")
+        raise ValueError(f"--check {shown(args.check)}: not a folder with a config.json; give an exported folder")
     model, bpe = load_pair(args.checkpoint, args.tokenizer)
-    print(f"{args.check} loaded through transformers {transformers.__version__}:")
-    if not report(*compare(model, bpe, *load_folder(args.check))):
-        raise ValueError(f"{args.check} does not reproduce {args.checkpoint}")
+    hf, hf_tokenizer = read_folder(args.check)
+    print(f"{shown(args.check)} loaded through transformers {transformers.__version__}:")
+    same = report(*compare(model, bpe, hf, hf_tokenizer))
+    differences = folder_differences(model, bpe, args.check, hf, hf_tokenizer)
+    print("config, every weight and the whole tokenizer: " + ("exactly the export's" if not differences else
+                                                               "; ".join(differences)))
+    if not same or differences:
+        raise ValueError(f"{shown(args.check)} does not reproduce {shown(args.checkpoint)}")
 
 
 def main():

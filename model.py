@@ -17,6 +17,9 @@ import math
 import sys
 from dataclasses import dataclass
 
+# before torch: cli.startup_failure makes a failing import one line
+import cli  # noqa: F401
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -175,8 +178,7 @@ class GPT(nn.Module):
 
 
 def main():
-    from cli import Parser  # the command line's parser only: the model itself needs nothing of the CLI
-    Parser(description="Print the Part 3 GPT's parameter budget and check that its untrained loss is close to "
+    cli.Parser(description="Print the Part 3 GPT's parameter budget and check that its untrained loss is close to "
                        "ln(vocab_size). Takes no arguments.").parse_args()
     torch.manual_seed(1337)
     model = GPT()
@@ -203,4 +205,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_cli(main)

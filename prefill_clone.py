@@ -24,11 +24,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+# before torch: cli.startup_failure makes a failing import one line
+from cli import Parser, as_id, check_count, run_cli, show_progress
+
 import torch
 
 from cached import load_pair
 from checks import check_cache, check_knobs, check_request, prompt_ids
-from cli import Parser, as_id, check_count, run_cli, show_progress
 from model import check_finite
 from sampling import pick
 

@@ -13,9 +13,11 @@ and its time is printed last.
 """
 import sys
 
+# before torch: cli.startup_failure makes a failing import one line
+from cli import Parser, check_count, run_cli
+
 from cached import load_pair
 from checks import prompt_ids
-from cli import Parser, check_count, run_cli
 from kernels import FastEngine, add_speed_flags, speed_flags
 
 SETTINGS = {

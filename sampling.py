@@ -15,6 +15,9 @@ temperature 1 samples the softmax.
 import sys
 import time
 
+# before torch: cli.startup_failure makes a failing import one line
+import cli  # noqa: F401
+
 import torch
 
 
@@ -74,8 +77,7 @@ def self_check():
 
 
 def main():
-    from cli import Parser  # the command line's parser only: pick needs nothing of the CLI
-    Parser(description="Self-check of pick(): the reference cases, and that temperature 1 samples the softmax. "
+    cli.Parser(description="Self-check of pick(): the reference cases, and that temperature 1 samples the softmax. "
                        "Takes no arguments.").parse_args()
     t0 = time.time()
     try:
@@ -90,4 +92,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_cli(main)

@@ -18,18 +18,34 @@ import os
 import sys
 import time
 
+# before torch: cli.startup_failure makes a failing import one line
+from cli import Parser, atomic_write, check_input, check_output, device_from, run_cli, show_progress, shown
+
 import numpy as np
 import torch
 
 from bpe import BPE, read_corpus
-from cli import Parser, atomic_write, check_input, check_output, device_from, run_cli, show_progress
 from checks import save_checkpoint
 from model import GPT, Config
 
 BATCH = 32
 CACHE_DIR = "data"
 MAX_RESUME_BYTES = 2**30  # Part 3's model with AdamW's two moments takes about 70 MB
-RESUME_KEYS = ("run", "model", "optimizer", "generator", "step", "best_val", "elapsed")
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+RESUME_KINDS = {  # what a resume file holds: each key's kind, and the test of it
+    "run": ("a dict", lambda v: isinstance(v, dict)),
+    "model": ("a state dict", lambda v: isinstance(v, dict)),
+    "optimizer": ("an optimizer state dict", lambda v: isinstance(v, dict)),
+    "generator": ("a uint8 tensor", lambda v: isinstance(v, torch.Tensor) and v.dtype == torch.uint8),
+    "step": ("a whole number >= 0", lambda v: type(v) is int and v >= 0),
+    "best_val": ("a loss", lambda v: is_number(v) and not math.isnan(v)),
+    "elapsed": ("a finite number of seconds >= 0", lambda v: is_number(v) and math.isfinite(v) and v >= 0),
+}
 
 
 def cache_path(corpus_sha, tokenizer_sha):
@@ -52,13 +68,29 @@ def cache_path(corpus_sha, tokenizer_sha):
 def load_ids(text, tokenizer, cache):
     """The corpus as uint16 ids: from the cache, or tokenized once and cached."""
     if os.path.isfile(cache):
-        return np.load(cache)
+        return read_ids(cache, tokenizer.vocab_size)
     t0 = time.time()
     ids = np.array(tokenizer.encode(text), dtype=np.uint16)
     with atomic_write(cache, force=True) as f:  # what may stand there is the same ids, cached by another run
         np.save(f, ids)
     print(f"tokenized {len(text.encode()):,} bytes into {len(ids):,} tokens in {time.time() - t0:.1f}s",
           file=sys.stderr)
+    return ids
+
+
+def read_ids(cache, vocab_size):
+    """The cached ids, or a one-line error naming the cache file: it is only a copy, so the way on is to remove it."""
+    way_on = "remove it and train.py tokenizes the corpus again"
+    try:
+        ids = np.load(cache, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"the token id cache {shown(cache)} cannot be read ({e}); {way_on}") from None
+    if ids.dtype != np.uint16 or ids.ndim != 1:
+        raise ValueError(f"the token id cache {shown(cache)} holds {ids.dtype} of shape {ids.shape}, not a row "
+                         f"of uint16 ids; {way_on}")
+    if len(ids) and int(ids.max()) >= vocab_size:
+        raise ValueError(f"the token id cache {shown(cache)} holds id {int(ids.max())}, outside the tokenizer's "
+                         f"0..{vocab_size - 1}; {way_on}")
     return ids
 
 
@@ -108,7 +140,7 @@ def read_resume(name, device):
         instead = "start without --resume"
         if os.path.lexists(f"{name}.pt"):
             instead = f"to train again, pass --force instead of --resume to replace {name}.pt, or --out NAME"
-        raise ValueError(f"--resume: there is no cut-short run to go on from ({path} not found; a run that "
+        raise ValueError(f"--resume: there is no cut-short run to go on from ({shown(path)} not found; a run that "
                          f"finishes removes it); {instead}")
     for p in (path, log):
         check_input(p, "--resume:", MAX_RESUME_BYTES, "start without --resume")
@@ -117,15 +149,24 @@ def read_resume(name, device):
         with open(log, newline="") as f:
             rows = list(csv.reader(f))[1:]
     except Exception as e:
-        raise ValueError(f"--resume: {path} or its CSV log cannot be read ({type(e).__name__}); "
+        raise ValueError(f"--resume: {shown(path)} or its CSV log cannot be read ({type(e).__name__}); "
                          "start again without --resume") from None
-    missing = [k for k in RESUME_KEYS if not isinstance(state, dict) or k not in state]
+    missing = [k for k in RESUME_KINDS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise ValueError(f"--resume: {path} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
+        raise ValueError(f"--resume: {shown(path)} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
                          "start again without --resume")
+    check_resume_values(state, path)
     if not all(row and row[0].isdigit() for row in rows):
         raise ValueError(f"--resume: {log} has a row that does not start with a step; start again without --resume")
     return state, [row for row in rows if int(row[0]) <= state["step"]]
+
+
+def check_resume_values(state, path):
+    """Each value a resume file holds is of the kind train.py wrote, named where it is not."""
+    for key, (kind, ok) in RESUME_KINDS.items():
+        if not ok(state[key]):
+            raise ValueError(f"--resume: {shown(path)} holds {key!r} = {repr(state[key])[:40]}, not {kind}; "
+                             "start again without --resume")
 
 
 def check_outputs(name, force, resume, inputs):
@@ -145,7 +186,7 @@ def check_same_run(here, then, args):
             continue
         if flag in ("--corpus", "--tokenizer"):
             path = args.corpus if flag == "--corpus" else args.tokenizer
-            raise ValueError(f"--resume: {flag} {path} is not the file the run being resumed used (its sha256 "
+            raise ValueError(f"--resume: {flag} {shown(path)} is not the file the run being resumed used (its sha256 "
                              f"differs); pass that file, or start again without --resume")
         raise ValueError(f"--resume: {flag} is {value} here but the run being resumed used {then.get(flag)}; "
                          "pass the same, or start again without --resume")
@@ -199,7 +240,7 @@ def main():
     text = read_corpus(args.corpus, "pass --corpus PATH to a UTF-8 text file")
     tokenizer = BPE.load(args.tokenizer)
     if tokenizer.vocab_size != cfg.vocab_size:  # a smaller one too: every script refuses such a pair later
-        raise ValueError(f"tokenizer {args.tokenizer} has {tokenizer.vocab_size:,} tokens but the model's "
+        raise ValueError(f"tokenizer {shown(args.tokenizer)} has {tokenizer.vocab_size:,} tokens but the model's "
                          f"vocabulary is {cfg.vocab_size:,}; pass a tokenizer trained with --vocab {cfg.vocab_size}")
     corpus_sha, record = hashlib.sha256(text.encode()).hexdigest(), tokenizer.record()
     tokenizer_sha = record["sha256"]
@@ -212,7 +253,7 @@ def main():
     ids = load_ids(text, tokenizer, cache_path(corpus_sha, tokenizer_sha))
     ids = torch.from_numpy(ids.astype(np.int64))
     if len(ids) < 10 * (cfg.context + 2):
-        raise ValueError(f"corpus {args.corpus} gives {len(ids):,} tokens; at least {10 * (cfg.context + 2):,} are "
+        raise ValueError(f"corpus {shown(args.corpus)} gives {len(ids):,} tokens; at least {10 * (cfg.context + 2):,} are "
                          f"needed for the last 10% to hold one {cfg.context + 1}-token validation window")
     split = int(0.9 * len(ids))
     train_ids, val_ids = ids[:split], ids[split:]

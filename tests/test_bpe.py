@@ -196,6 +196,7 @@ def test_decode_accepts_integer_likes():
     ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     (json.dumps({"merges": [[97, 97]] + [[256 + i, 256 + i] for i in range(40)]}), "builds a token of"),
     (json.dumps({"merges": [[0, 0]] * 70_000}), "at most 65,280 fit uint16 ids"),
+    ('{"merges": [[' + "9" * 5000 + ", 2]]}", "t.json holds a value JSON cannot be read into .*4300 digits"),
 ])
 def test_hostile_tokenizer_files_are_refused_with_a_reason(tmp_path, content, message):
     path = tmp_path / "t.json"

@@ -19,6 +19,7 @@ import pytest
 import bench
 import bpe as bpe_module
 import cached
+import checks
 import cli
 import test_train
 import train as train_module
@@ -98,6 +99,25 @@ def test_a_path_with_a_newline_is_quoted_so_the_message_stays_one_line(tmp_path)
     assert str(refused.value) == f"{str(odd)!r} already exists; pass --force to replace it"
 
 
+@pytest.mark.parametrize("read, content", [
+    (lambda path: check_input(path, "checkpoint", 2**20), None),  # missing
+    (lambda path: check_input(path, "checkpoint", 2**20), "folder"),
+    (lambda path: check_input(path, "checkpoint", 1), b"too long"),
+    (lambda path: checks.load_checkpoint(path), b"not a checkpoint"),
+    (BPE.load, b"{not json"),
+    (bpe_module.read_corpus, b"\xff not UTF-8"),
+], ids=["missing", "folder", "too-large", "checkpoint", "tokenizer", "corpus"])
+def test_every_message_naming_an_input_path_quotes_a_newline_in_it(tmp_path, read, content):
+    odd = tmp_path / "x\ny"
+    if content == "folder":
+        odd.mkdir()
+    elif content is not None:
+        odd.write_bytes(content)
+    with pytest.raises((ValueError, OSError)) as refused:
+        read(odd)
+    assert repr(str(odd)) in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
 @pytest.mark.parametrize("links", ["hard links", "no hard links"])
 def test_a_write_without_force_lands_where_nothing_stands_and_leaves_nothing_else(tmp_path, monkeypatch, links):
     if links == "no hard links":  # link(2) on FAT and some FUSE mounts: the name is taken with O_EXCL instead
@@ -142,6 +162,85 @@ def test_run_cli_makes_each_failure_one_line_and_exit_1(monkeypatch, capsys, err
     with pytest.raises(SystemExit) as exit:
         run_cli(main)
     assert str(exit.value.code).startswith(message) and "\n" not in str(exit.value.code)
+
+
+class FailingStdout(io.StringIO):
+    """A standard output whose `failing` call ("write" or "flush") raises OSError(code)."""
+
+    def __init__(self, failing, code):
+        super().__init__()
+        self.failing, self.code = failing, code
+
+    def write(self, text):
+        if self.failing == "write":
+            raise OSError(self.code, os.strerror(self.code))
+        return super().write(text)
+
+    def flush(self):
+        if self.failing == "flush":
+            raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.parametrize("failing", ["write", "flush"])
+@pytest.mark.parametrize("code, status", [
+    (errno.EPIPE, 141),
+    (errno.ENOSPC, "prog.py: error: cannot write to standard output: No space left on device"),
+    (errno.EIO, "prog.py: error: cannot write to standard output: Input/output error"),
+])
+def test_a_closed_or_failing_stdout_ends_quietly_or_in_one_line_naming_it(monkeypatch, code, status, failing):
+    monkeypatch.setattr(sys, "argv", ["prog.py"])
+    monkeypatch.setattr(sys, "stdout", FailingStdout(failing, code))
+    with pytest.raises(SystemExit) as exit:
+        run_cli(lambda: print("a result"))
+    assert exit.value.code == status
+
+
+def test_an_oserror_of_main_itself_is_not_said_as_stdouts(monkeypatch):
+    def main():
+        print("a result")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(sys, "argv", ["prog.py"])
+    with pytest.raises(SystemExit) as exit:
+        run_cli(main)
+    assert exit.value.code == "prog.py: error: [Errno 28] No space left on device"
+
+
+@pytest.mark.parametrize("script", ["model.py", "sampling.py"])
+@pytest.mark.parametrize("stdout", ["full", "closed"])
+def test_a_full_or_closed_stdout_ends_without_exception_ignored(script, stdout):
+    """A new interpreter: what the flush at exit says is the subject."""
+    target = open("/dev/full", "w") if stdout == "full" else subprocess.PIPE
+    proc = subprocess.Popen([sys.executable, script], cwd=ROOT, stdout=target, stderr=subprocess.PIPE, text=True)
+    if stdout == "closed":
+        proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait()
+    if stdout == "full":
+        target.close()
+        assert (proc.returncode, err) == (1, f"{script}: error: cannot write to standard output: "
+                                             "No space left on device\n")
+    else:
+        assert (proc.returncode, err) == (141, "")
+
+
+def test_a_failing_import_is_one_line_naming_its_cause(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["prog.py"])
+    missing = ImportError("No module named 'torch'", name="torch")
+    cli.startup_failure(ImportError, missing, None)
+    cli.startup_failure(RuntimeError, RuntimeError("\nsomething torch said\nat length"), None)
+    assert capsys.readouterr().err.splitlines() == [
+        "prog.py: error: cannot import torch (No module named 'torch'); pip install -r requirements.txt",
+        "prog.py: error: cannot start: RuntimeError: something torch said"]
+
+
+@pytest.mark.parametrize("script", ["bench.py", "bpe.py", "cached.py", "export.py", "kernels.py", "model.py",
+                                    "prefill_clone.py", "sample_grid.py", "sampling.py", "train.py"])
+def test_every_script_says_a_bad_torch_logs_in_one_line(script):
+    """A new interpreter: the import of torch, before any main, is the subject."""
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "TORCH_LOGS": "bogus"})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        1, "", f"{script}: error: TORCH_LOGS='bogus' is not a setting torch knows; unset it, or see TORCH_LOGS=help\n")
 
 
 def test_sigterm_mid_write_removes_the_temporary_file_and_ends_in_one_line(tmp_path):
@@ -296,6 +395,25 @@ APPEARING = {
                                       path.symlink_to(path.with_suffix(".kept"))),
     "a dangling link": lambda path: path.symlink_to("nowhere"),
 }
+
+
+@pytest.mark.parametrize("read, content", [
+    (lambda path: check_input(path, "checkpoint", 2**20), None),  # missing
+    (lambda path: check_input(path, "checkpoint", 2**20), "folder"),
+    (lambda path: check_input(path, "checkpoint", 1), b"too long"),
+    (lambda path: checks.load_checkpoint(path), b"not a checkpoint"),
+    (BPE.load, b"{not json"),
+    (bpe_module.read_corpus, b"\xff not UTF-8"),
+], ids=["missing", "folder", "too-large", "checkpoint", "tokenizer", "corpus"])
+def test_every_message_naming_an_input_path_quotes_a_newline_in_it(tmp_path, read, content):
+    odd = tmp_path / "x\ny"
+    if content == "folder":
+        odd.mkdir()
+    elif content is not None:
+        odd.write_bytes(content)
+    with pytest.raises((ValueError, OSError)) as refused:
+        read(odd)
+    assert repr(str(odd)) in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
 
 @pytest.mark.parametrize("links", ["hard links", "no hard links"])

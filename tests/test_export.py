@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from test_model import PART3_CONFIG, part3_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -375,3 +376,70 @@ def test_check_reads_a_folder_as_the_installed_transformers_does_and_fails_on_a_
     assert "parts from cached.py after" in capsys.readouterr().out
     assert one_line_exit(monkeypatch, "--check", tmp_path) == \
         f"export.py: error: --check {tmp_path}: not a folder with a config.json; give an exported folder"
+
+
+@pytest.fixture(scope="module")
+def holmes_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("check") / "hf"
+    write_folder(load("holmes.pt"), BPE.load("tokenizer.json"), path)
+    return path
+
+
+def swap_two_token_ids(folder):
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = (token for token, i in vocab.items() if i in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+def negate_an_embedding_row(folder):
+    weights = safetensors.torch.load_file(folder / "model.safetensors")
+    weights["gpt_neox.embed_in.weight"][4000] *= -1  # a token the check's text never meets
+    safetensors.torch.save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def edit_rotary_pct(folder):  # what transformers 4 and the engines' converters read; transformers 5 does not
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"rotary_pct": 0.25}))
+
+
+@pytest.mark.parametrize("tamper, difference", [
+    (swap_two_token_ids, "tokenizer.json: its model differs from the tokenizer's"),
+    (negate_an_embedding_row, "model.safetensors: gpt_neox.embed_in.weight differs from the checkpoint's"),
+    (edit_rotary_pct, "config.json: rotary_pct is 0.25, not 1.0"),
+])
+def test_check_refuses_a_folder_with_any_token_weight_or_config_field_changed(holmes_folder, tmp_path, tamper,
+                                                                             difference, monkeypatch, capsys):
+    folder = tmp_path / "hf"
+    shutil.copytree(holmes_folder, folder)
+    tamper(folder)
+    assert one_line_exit(monkeypatch, "--check", folder) == f"export.py: error: {folder} does not reproduce holmes.pt"
+    assert difference in capsys.readouterr().out
+
+
+def break_config(folder):
+    (folder / "config.json").write_text("{not json")
+
+
+def truncate_weights(folder):
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+def break_tokenizer(folder):
+    (folder / "tokenizer.json").write_text("not json")
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (break_config, "OSError: It looks like the config file at"),
+    (truncate_weights, "SafetensorError: "),
+    (break_tokenizer, "JSONDecodeError: "),
+])
+def test_check_of_a_damaged_folder_is_one_line_naming_it(holmes_folder, tmp_path, damage, reason, monkeypatch, capsys):
+    folder = tmp_path / "hf"
+    shutil.copytree(holmes_folder, folder)
+    damage(folder)
+    message = one_line_exit(monkeypatch, "--check", folder)
+    assert message.startswith(f"export.py: error: --check {folder}: transformers cannot load it ({reason}")
+    assert message.endswith("; export it again") and capsys.readouterr().out == ""

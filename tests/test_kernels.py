@@ -8,6 +8,7 @@ import torch
 
 import kernels
 from cached import CachedGPT
+from cli import run_cli
 from kernels import KERNELS, FastEngine, KernelLinear, choose, measure, with_kernel
 from model import Config
 
@@ -69,6 +70,14 @@ def test_a_fast_kernel_that_is_not_exact_is_never_chosen(monkeypatch):
     assert choose(model, 2)[0] not in ("wrong", None)
 
 
+def test_where_no_kernel_is_exact_nn_linear_is_chosen(monkeypatch):
+    """A model whose products overflow in every kernel: nn.Linear is then what the model itself computes."""
+    monkeypatch.setattr(kernels, "exact", lambda *args: False)
+    monkeypatch.setattr(kernels, "CHOSEN", {})
+    name, measured = choose(CachedGPT(SMALL).eval(), 2)
+    assert name == "nn" and all(t is None for t in measured.values())
+
+
 def test_the_choice_is_measured_once_per_batch_and_kept(monkeypatch):
     model = CachedGPT(SMALL).eval()
     monkeypatch.setattr(kernels, "CHOSEN", {})
@@ -86,6 +95,16 @@ def test_cli_prints_each_kernel_and_the_fastest_and_refuses_a_bad_batch_in_one_l
     assert run.stdout.startswith("batch 2: nn ") and "fastest: " in run.stdout
     run = subprocess.run([sys.executable, "kernels.py", "--batches", "0"], capture_output=True, text=True)
     assert run.returncode == 1 and run.stderr.strip() == "kernels.py: error: --batches must be whole numbers >= 1, got [0]"
+
+
+def test_a_batch_too_large_for_memory_is_refused_before_any_row_is_allocated(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["kernels.py", "--batches", "2", "3000000"])
+    monkeypatch.setattr("cli.free_memory", lambda device: 2**30)
+    monkeypatch.setattr(kernels, "measure", lambda *args: pytest.fail("measured before the size check"))
+    with pytest.raises(SystemExit) as exit:
+        run_cli(kernels.main)
+    assert exit.value.code.startswith("kernels.py: error: --batches 3000000 (a step's inputs and outputs) needs ")
+    assert len(exit.value.code.splitlines()) == 1
 
 
 def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything_compiles(monkeypatch):

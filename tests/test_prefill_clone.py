@@ -9,7 +9,7 @@ from cached import CachedGPT, LayerCache
 import prefill_clone
 from cli import run_cli
 from kernels import KERNELS, FastEngine, compiler_missing
-from model import Config
+from model import GPT, Config
 from prefill_clone import Engine, KVCache, clone_prompt, prompt_per_row, run_prompt
 from sampling import pick
 
@@ -306,6 +306,12 @@ def test_ill_typed_calls_are_refused_by_name(call, message):
     args = dict(tokens=PROMPT, num_samples=1, max_tokens=4) | call
     with pytest.raises(ValueError, match=message):
         Engine(small(), tokenizer=object()).generate_batch(**args)
+
+
+def test_an_engine_on_a_plain_gpt_is_refused_by_name():
+    plain = GPT(SMALL).eval()  # no cached step
+    with pytest.raises(ValueError, match=r"the Engine needs a CachedGPT \(cached.load gives one\), got a GPT"):
+        Engine(plain, tokenizer=object()).generate_batch(tokens=PROMPT, num_samples=1, max_tokens=4)
 
 
 def test_a_cache_for_a_model_is_never_longer_than_its_window():

@@ -8,6 +8,7 @@ import shutil
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -457,6 +458,44 @@ def test_a_missing_or_corrupt_resume_file_gets_one_line(tmp_path, killed_after_l
     victims = {name: sha256(tmp_path / name) for name in RUN_FILES if (tmp_path / name).exists()}
     assert_refused(train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys), "--resume: ")
     assert {name: sha256(tmp_path / name) for name in victims} == victims
+
+
+@pytest.mark.parametrize("key, value", [
+    ("step", "2"), ("step", -1), ("step", True), ("best_val", float("nan")), ("best_val", "low"),
+    ("elapsed", float("inf")), ("generator", [1, 2]), ("generator", torch.zeros(3)), ("model", None), ("run", 1),
+], ids=["step-str", "step-negative", "step-bool", "best-nan", "best-str", "elapsed-inf", "generator-list",
+        "generator-float", "model-none", "run-int"])
+def test_a_resume_file_value_of_the_wrong_kind_is_refused_naming_the_file(
+        tmp_path, killed_after_last_step, key, value, monkeypatch, capsys, shipped_unchanged):
+    copy_run(killed_after_last_step, tmp_path)
+    state = torch.load(tmp_path / "run.resume.pt", weights_only=True)
+    torch.save({**state, key: value}, tmp_path / "run.resume.pt")
+    assert_refused(train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys),
+                   f"train.py: error: --resume: run.resume.pt holds {key!r} = ")
+
+
+def damage_cache(path, how):
+    ids = np.load(path)
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[:-len(ids)])
+    elif how == "not-npy":
+        path.write_bytes(b"not numpy")
+    elif how == "int64":
+        np.save(path, ids.astype(np.int64))
+    elif how == "out-of-range":
+        ids[0] = 4096
+        np.save(path, ids)
+    else:
+        np.save(path, ids.reshape(1, -1))
+
+
+@pytest.mark.parametrize("how", ["truncated", "not-npy", "int64", "out-of-range", "two-dimensional"])
+def test_a_damaged_id_cache_is_refused_naming_the_file(tmp_path, finished, how, monkeypatch, capsys):
+    copy_run(finished, tmp_path, ["corpus.txt", "data"])
+    (cache,) = (tmp_path / "data").iterdir()
+    damage_cache(cache, how)
+    assert_refused(train(tmp_path, *TINY, monkeypatch=monkeypatch, capsys=capsys),
+                   f"train.py: error: the token id cache data/{cache.name} ")
 
 
 @pytest.mark.parametrize("vocab", [300, 5000], ids=["smaller", "larger"])

@@ -8,6 +8,7 @@ and long work shows how far it is without flooding a log.
 import argparse
 import errno
 import io
+import linecache
 import operator
 import os
 import signal
@@ -19,11 +20,13 @@ from contextlib import contextmanager
 
 
 def startup_failure(kind, error, trace):
-    """Until run_cli starts a script's main, what an import raises is one line and exit status 1.
+    """Until run_cli starts a script's main, what a top-level import raises is one line and exit status 1.
 
     Set before torch is imported, so a TORCH_LOGS torch does not know, or an import that fails under a
     memory limit, names its cause; an abort inside torch's C++ (std::bad_alloc) never reaches Python.
     """
+    if not failed_importing(trace):  # anything else, in this repo's scripts or a program importing cli, as usual
+        return sys.__excepthook__(kind, error, trace)
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     if issubclass(kind, KeyboardInterrupt):
         reason = "interrupted while starting"
@@ -35,6 +38,14 @@ def startup_failure(kind, error, trace):
     else:
         reason = f"cannot start: {kind.__name__}: {first_line(error)}"
     print(f"{name}: error: {reason}", file=sys.stderr)
+
+
+def failed_importing(trace):
+    """Whether the error left the main script at one of its top-level import lines."""
+    if trace is None or trace.tb_frame.f_code.co_name != "<module>":
+        return False
+    line = linecache.getline(trace.tb_frame.f_code.co_filename, trace.tb_lineno).lstrip()
+    return line.startswith(("import ", "from "))
 
 
 def first_line(error):

@@ -223,18 +223,33 @@ def test_a_full_or_closed_stdout_ends_without_exception_ignored(script, stdout):
         assert (proc.returncode, err) == (141, "")
 
 
-def test_a_failing_import_is_one_line_naming_its_cause(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["prog.py"])
-    missing = ImportError("No module named 'torch'", name="torch")
-    cli.startup_failure(ImportError, missing, None)
-    cli.startup_failure(RuntimeError, RuntimeError("\nsomething torch said\nat length"), None)
-    assert capsys.readouterr().err.splitlines() == [
-        "prog.py: error: cannot import torch (No module named 'torch'); pip install -r requirements.txt",
-        "prog.py: error: cannot start: RuntimeError: something torch said"]
+def test_a_failing_top_level_import_is_one_line_and_any_other_error_keeps_its_traceback(tmp_path):
+    """A new interpreter: what the main script's import lines raise, before any main, is the subject."""
+    (tmp_path / "talkative.py").write_text('raise RuntimeError("\\nsomething torch said\\nat length")\n')
+    heads = f"import sys\nsys.path[:0] = [{ROOT!r}, {str(tmp_path)!r}]\nimport cli\n"
+    for body, expected in (
+            ("import no_such_module_here\n", "prog.py: error: cannot import no_such_module_here "
+                                           "(No module named 'no_such_module_here'); pip install -r requirements.txt"),
+            ("import talkative\n", "prog.py: error: cannot start: RuntimeError: something torch said")):
+        (tmp_path / "prog.py").write_text(heads + body)
+        run = subprocess.run([sys.executable, "prog.py"], cwd=tmp_path, capture_output=True, text=True)
+        assert (run.returncode, run.stderr.strip()) == (1, expected)
+    (tmp_path / "prog.py").write_text(heads + "raise ValueError('a bug of the program that imported cli')\n")
+    run = subprocess.run([sys.executable, "prog.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr.startswith("Traceback") and "a bug of the program" in run.stderr
 
 
-@pytest.mark.parametrize("script", ["bench.py", "bpe.py", "cached.py", "export.py", "kernels.py", "model.py",
-                                    "prefill_clone.py", "sample_grid.py", "sampling.py", "train.py"])
+def test_the_lessons_files_import_nothing_of_the_command_line():
+    run = subprocess.run([sys.executable, "-c", "import sys, cached, prefill_clone; print('kernels' in sys.modules)"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.stdout.strip() == "False"  # speed is applied from outside: the lesson's engine never imports it
+    run = subprocess.run([sys.executable, "-c", "import sys, model, sampling; print('cli' in sys.modules)"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("script", ["bench.py", "bpe.py", "cached.py", "export.py", "kernels.py",
+                                    "prefill_clone.py", "sample_grid.py", "train.py"])
 def test_every_script_says_a_bad_torch_logs_in_one_line(script):
     """A new interpreter: the import of torch, before any main, is the subject."""
     proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,

@@ -412,25 +412,6 @@ APPEARING = {
 }
 
 
-@pytest.mark.parametrize("read, content", [
-    (lambda path: check_input(path, "checkpoint", 2**20), None),  # missing
-    (lambda path: check_input(path, "checkpoint", 2**20), "folder"),
-    (lambda path: check_input(path, "checkpoint", 1), b"too long"),
-    (lambda path: checks.load_checkpoint(path), b"not a checkpoint"),
-    (BPE.load, b"{not json"),
-    (bpe_module.read_corpus, b"\xff not UTF-8"),
-], ids=["missing", "folder", "too-large", "checkpoint", "tokenizer", "corpus"])
-def test_every_message_naming_an_input_path_quotes_a_newline_in_it(tmp_path, read, content):
-    odd = tmp_path / "x\ny"
-    if content == "folder":
-        odd.mkdir()
-    elif content is not None:
-        odd.write_bytes(content)
-    with pytest.raises((ValueError, OSError)) as refused:
-        read(odd)
-    assert repr(str(odd)) in str(refused.value) and len(str(refused.value).splitlines()) == 1
-
-
 @pytest.mark.parametrize("links", ["hard links", "no hard links"])
 @pytest.mark.parametrize("kind", APPEARING)
 @pytest.mark.parametrize("script", OUTPUT)

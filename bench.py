@@ -29,8 +29,8 @@ a round, so their ratios are measured side by side. Rows print as they are measu
    here, the one the Engine chose, and a whole step with it and with nn.Linear;
    on the CPU, the step compiled as kernels.COMPILE_OPTIONS sets it, with the graph
    called from Python instead, and with ATen's multiplies (nothing frozen).
-4. The post's two loops, timed whole, beside prefill_clone's Engine (preallocated
-   ring cache, fastest kernel) as it runs by default, compiled (compile=True,
+4. The post's two loops, timed whole, beside the Engine (kernels.FastEngine: the
+   preallocated ring cache, fastest kernel) as it runs by default, compiled (compile=True,
    compile time reported apart) and in bfloat16; then how far bfloat16 drifts
    from float32 on trained weights.
 5. CUDA only: kernels per decode step, the share of the step the GPU is busy,
@@ -261,7 +261,7 @@ def engine_forms(model):
 def table_decode(model, engines, device, sizes, runs, out):
     print("\n4. decode speed, the post's two loops timed whole beside the Engine: tok/s = batch x tokens / seconds")
     print("   (median, ± half range)")
-    print("   Engine: prefill_clone's default (the fastest exact kernel, table 3); compiled: compile=True;")
+    print("   Engine: kernels.FastEngine's default (the fastest exact kernel, table 3); compiled: compile=True;")
     print("   bf16: dtype=torch.bfloat16 (weights and cache; its drift from float32 below)")
     print(f"{'batch':>5} {'tokens':>6} {'no cache':>14} {'cached.py':>14} {'Engine':>14} {'compiled':>14} "
           f"{'bf16':>14} {'cache/none':>10} {'Engine/cached':>13} {'compiled/cached':>15} {'bf16/cached':>11}")

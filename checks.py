@@ -268,9 +268,8 @@ def check_cache(model, batch, max_len):
 
 
 def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, knobs):
-    """Engine.generate's arguments as the loop needs them: (prompt ids, seeds, settings, stop ids, stop texts,
-    forced ids),
-    or a one-line error naming the first that is wrong."""
+    """Engine.generate's arguments as the loop needs them: (prompt ids, seeds, settings, stop ids, stop
+    texts, forced ids), or a one-line error naming the first that is wrong."""
     model = engine.model
     if not callable(getattr(model, "step", None)):  # a plain GPT has no cached step: it would fail at the first token
         raise ValueError(f"the Engine needs a CachedGPT (cached.load gives one), got a {type(model).__name__}")

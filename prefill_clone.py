@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # before torch: cli.startup_failure makes a failing import one line
-from cli import Parser, as_id, check_count, run_cli, show_progress
+from cli import Parser, as_id, run_cli, show_progress
 
 import torch
 

@@ -454,7 +454,7 @@ def test_force_never_overwrites_the_scripts_own_input(script, args, victim, tmp_
         args = [*args, *test_train.TINY] + ([] if "--tokenizer" in args else ["--tokenizer", test_train.TOKENIZER])
     main = train_module.main if script == "train.py" else bpe_module.main
     run = run_main(main, [script, *args, "--force"], monkeypatch, capsys)
-    assert_refused(run, f"which this run reads; give another name")
+    assert_refused(run, "which this run reads; give another name")
     assert victim in run[2]
     assert {name: state(tmp_path / name) for name in before} == before and no_temporary_files(tmp_path)
 

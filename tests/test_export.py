@@ -305,7 +305,7 @@ def test_a_file_size_limit_while_exporting_is_one_line_and_leaves_the_previous_e
     a_previous_export(tmp_path / "out")
     (tmp_path / "model.gguf").write_bytes(b"an earlier GGUF")
     before = sha256s(tmp_path)
-    limits, real_write_folder = resource.getrlimit(resource.RLIMIT_FSIZE), export.write_folder
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     writer = "write_folder" if output == "OUT_DIR" else "neox_state_dict"  # what comes right before each write
 
     def limited(*args, **kwargs):

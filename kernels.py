@@ -17,15 +17,24 @@ main: the model and the lesson's Engine know nothing of it.
 
 prints what each candidate took for one step's 25 multiplies and which won.
 """
-import shutil
+import contextlib
 import copy
+import hashlib
+import inspect
+import io
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
 import time
-import types
 import warnings
 import weakref
+import zipfile
 
 # before torch: cli.startup_failure makes a failing import one line
-from cli import Parser, check_fits, device_from, run_cli
+from cli import Parser, atomic_write, check_fits, check_output, device_from, first_line, run_cli, shown
 
 import torch
 import torch.nn as nn
@@ -228,17 +237,21 @@ def check_dtype(dtype, device):
 
 
 def add_speed_flags(ap):
-    """--compile and --dtype, for the scripts that run the Engine."""
-    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to compile)")
+    """--compile, --compile-cache and --dtype, for the scripts that run the Engine."""
+    ap.add_argument("--compile", action="store_true",
+                    help="run the decode step compiled (a minute or so the first time, then loaded from the cache)")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help=f"where compiled decode steps are kept (default: {shown(default_compile_cache())})")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and cache (float16: CUDA)")
 
 
 def speed_flags(args):
-    """The Engine's compile and dtype from those flags, both checked before any checkpoint is read."""
+    """The Engine's compile, compile cache and dtype from those flags, all checked before any checkpoint is read."""
     device = device_from(args.device)
     if args.compile:
         check_compiler(device)
-    return dict(compile=args.compile, dtype=check_dtype(args.dtype, device))
+    cache = check_compile_cache(args.compile_cache) if args.compile else args.compile_cache
+    return dict(compile=args.compile, compile_cache=cache, dtype=check_dtype(args.dtype, device))
 
 
 def compiler_missing(device):
@@ -261,10 +274,10 @@ def check_compiler(device, otherwise="or leave out --compile"):
 
 # inductor settings. On the CPU the weights are frozen into the graph as constants, which lets
 # max_autotune try its own C++ matrix multiplies (weights packed, every core used) against ATen's,
-# timed where it compiles; and the graph is called from C++ rather than Python. bench.py table 3
-# times the step compiled each of these ways where it runs (docs/bench.md has the figures); if a
-# simpler way wins there, change it here. "freezing" is read by DecodeStep, not inductor; the last
-# two keep the autotuner's tables of timings off stderr.
+# timed where it compiles; AOTInductor always calls the graph from C++ (cpp_wrapper says so for
+# bench.py, which compares the ways). bench.py table 3 times the step compiled each of these ways
+# where it runs (docs/bench.md has the figures); if a simpler way wins there, change it here. The
+# last two keep the autotuner's tables of timings off stderr.
 COMPILE_OPTIONS = {"cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                            "cpp_wrapper": True, "autotune_num_choices_displayed": 0,
                            "max_autotune_report_choices_stats": False},
@@ -276,40 +289,160 @@ def weights_state(model):
     return [(p, 0 if p.is_inference() else p._version) for p in model.parameters()]
 
 
-def own_copy(fn):
-    """fn with a code object of its own. torch.compile keeps its graphs per code object, and a step with
-    weights frozen in must never be handed the graph of another step: another model's, or this model's
-    before its weights changed."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+def default_compile_cache():
+    """Where compiled decode steps are kept unless told: $XDG_CACHE_HOME/tiny-gpt, else ~/.cache/tiny-gpt."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                        "tiny-gpt")
+
+
+def check_compile_cache(folder=None):
+    """The compile cache folder as an absolute path (the default if None), made if missing and writable."""
+    folder = os.path.abspath(folder or default_compile_cache())
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot make the compile cache folder {shown(folder)} ({e.strerror}); "
+                      "name another with --compile-cache") from None
+    check_output(os.path.join(folder, "decode-step.pt2"), force=True)  # the folder is writable
+    return folder
+
+
+def machine_name(device):
+    """What a compiled step is built for: the CPU as /proc/cpuinfo names it, model and instruction-set flags
+    (C++ built on one CPU may use instructions another lacks), and the GPU where it runs on one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first_cpu = f.read().split("\n\n")[0]
+    except OSError:
+        first_cpu = ""
+    fields = dict(map(str.strip, line.split(":", 1)) for line in first_cpu.splitlines() if ":" in line)
+    named = [fields[k] for k in ("vendor_id", "model name", "flags", "CPU implementer", "CPU part", "Features")
+             if k in fields]
+    cpu = " | ".join(named) or f"{platform.machine()} {platform.processor()}"
+    if device.type != "cuda":
+        return cpu
+    return f"{cpu} | {torch.cuda.get_device_name(device)} sm{torch.cuda.get_device_capability(device)}"
+
+
+def weights_digest(model):
+    """sha256 of every weight's name, dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)};".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def step_sources(model, cache):
+    """{file name: sha256} of the code a step runs outside torch (torch's own is its version): the files of
+    the model's and the cache's classes and of their bases, and this one, whose StepProgram is exported."""
+    classes = {c for obj in (*model.modules(), cache) for c in type(obj).__mro__}
+    files = {inspect.getfile(c) for c in classes if c.__module__.partition(".")[0] not in ("torch", "builtins")}
+    sources = {}
+    for path in sorted(files | {__file__}):
+        with open(path, "rb") as f:
+            sources[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
+    return sources
+
+
+def step_key(model, cache, options):
+    """What a compiled step is valid for, as one sha256: the weights, the model's config and classes, the
+    cache's shape and dtype, the device and the machine, torch's version, the inductor options and the
+    code compiled. Any of them changed, the key is another and the step is compiled anew."""
+    parts = dict(weights=weights_digest(model), config=repr(getattr(model, "cfg", None)),
+                 modules=[f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()],
+                 cache=cache.shape, dtype=str(cache.heads_k.dtype), device=str(cache.heads_k.device),
+                 machine=machine_name(cache.heads_k.device), torch=torch.__version__, options=options,
+                 sources=step_sources(model, cache))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+KEY_FIELD = "tiny_gpt_step_key"  # the key a package was compiled for, in its own metadata
+
+
+def package_path(folder, key):
+    return os.path.join(folder, f"decode-step-{key[:40]}.pt2")
+
+
+def load_package(package, key):
+    """The compiled step in `package` (a path or a buffer), or why it cannot serve for `key`: a damaged file
+    (its zip checksums; a flipped bit in the weights would otherwise load and run), or a package made for
+    another key (another model's, or another batch's, renamed)."""
+    try:
+        if damaged := zipfile.ZipFile(package).testzip():
+            return None, f"{damaged} inside it is damaged"
+        # torch warns "outdated pt2 file" on any file it cannot open; the reason is said here instead
+        with warnings_off("torch._inductor.package.package"):
+            runner = torch._inductor.aoti_load_package(package)
+        made_for = runner.get_metadata().get(KEY_FIELD)
+    except (OSError, RuntimeError, ValueError, zipfile.BadZipFile) as e:
+        return None, first_line(e)
+    if made_for != key:
+        return None, "it was compiled for other weights, code, batch or machine"
+    return runner, None
+
+
+@contextlib.contextmanager
+def warnings_off(logger_name):
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class StepProgram(nn.Module):
+    """model.step as a function of the cache's tensors, what torch.export needs: a tensor the step only
+    held would be exported as a constant of the program, and its writes would land in a copy."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, token, heads_k, heads_v, cache_seqlens):
+        cache = copy.copy(self.cache)  # the same cache, its stored tensors the program's inputs
+        cache.heads_k, cache.heads_v, cache.cache_seqlens = heads_k, heads_v, cache_seqlens
+        cache.k, cache.v = heads_k.transpose(2, 3), heads_v.transpose(2, 3)
+        return self.model.step(token, cache, cache_seqlens.long())
+
+
+def say(message):
+    print(f"{os.path.basename(sys.argv[0]) or 'python'}: {message}", file=sys.stderr)
 
 
 class DecodeStep:
     """model.step for one token per row, graph-safe, optionally compiled and/or captured as a CUDA graph.
 
     A static token buffer; each row's position is read from cache_seqlens on the device and the cache
-    is written in place, so a step needs no Python-side state: what torch.compile (one graph, no
-    breaks) and a CUDA graph (replayed with no host work) both need. compile: torch.compile once,
-    its time kept in compile_seconds, with COMPILE_OPTIONS or the inductor `options` given; the
-    compiled graph is this step's alone (FastEngine refuses to run it once the weights change).
+    is written in place, so a step needs no Python-side state: what an exported program (one graph,
+    the cache's tensors its inputs) and a CUDA graph (replayed with no host work) both need.
+
+    compile: the step compiled ahead of time by AOTInductor with COMPILE_OPTIONS (or the inductor
+    `options` given), weights frozen in, kept as a package in the folder compile_cache (default:
+    default_compile_cache()) under step_key, and loaded from there when a package for the same key is
+    kept: no compiling, and no dynamo guards on each step. self.loaded says which happened,
+    self.package where it is kept, compile_seconds what making the step ready took. A package that
+    cannot be loaded, or is not this key's, is said in one line on stderr, left as it is, and the step
+    compiled anew; either way the step's first logits are checked against the eager step's.
     capture (CUDA only): replay a captured graph of the step.
     """
 
-    def __init__(self, model, cache, compile=False, capture=False, options=None):
+    def __init__(self, model, cache, compile=False, capture=False, options=None, compile_cache=None):
         self.model, self.cache = model, cache
         self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
+        self.loaded, self.package = False, None
         if compile:
             check_compiler(cache.k.device)
-            options = dict(COMPILE_OPTIONS[cache.k.device.type] if options is None else options)
-            freeze = options.pop("freezing", False)
-            self.run = torch.compile(types.MethodType(own_copy(DecodeStep._step), self), dynamic=False,
-                                     options=options)
             started = time.perf_counter()
-            # freezing is read from inductor's config while compiling (given as an option, it is ignored);
-            # the warning is one inductor's autotuner raises about its own use of storages
-            with torch._inductor.config.patch(freezing=freeze), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "TypedStorage is deprecated")
-                self._rehearse(self.run)  # the first call compiles
+            options = dict(COMPILE_OPTIONS[cache.k.device.type] if options is None else options)
+            runner = self._kept_or_compiled(options, check_compile_cache(compile_cache))
+            inputs = self._inputs()
+            # the runner's own loader: AOTICompiledModel's call parses its input and output specs every step
+            self.run = lambda: runner.loader.boxed_run(list(inputs))[0]
+            self._check_against_eager()
             self.compile_seconds = time.perf_counter() - started
         if capture:
             self._rehearse(self._capture)
@@ -317,12 +450,61 @@ class DecodeStep:
     def _step(self):
         return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
 
+    def _kept_or_compiled(self, options, folder):
+        """The runner of this step's package: loaded where one is kept for its key, else compiled and kept."""
+        key = step_key(self.model, self.cache, options)
+        self.package = package_path(folder, key)
+        rows = f"the compiled decode step for {self.cache.shape['batch']} rows"
+        if os.path.lexists(self.package):
+            runner, unusable = load_package(self.package, key)
+            if runner is not None:
+                self.loaded = True
+                say(f"{rows}: loaded from {shown(self.package)}")
+                return runner
+            say(f"{rows}: {shown(self.package)} cannot be used ({unusable}); compiling anew and leaving that "
+                "file as it is (delete it to keep the new one there)")
+        say(f"{rows}: compiling (a minute or so), to keep in {shown(self.package)}")
+        package = io.BytesIO()
+        with torch.no_grad(), warnings.catch_warnings():
+            # raised by torch.export and by inductor's autotuner about their own use of storages
+            warnings.filterwarnings("ignore", "TypedStorage is deprecated")
+            program = torch.export.export(StepProgram(self.model, self.cache), tuple(self._inputs()), strict=False)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=package, inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
+        try:
+            with atomic_write(self.package) as f:
+                f.write(package.getbuffer())
+        except FileExistsError:  # another run kept this key's package first, or a file unusable here is there
+            pass
+        runner, unusable = load_package(package, key)
+        if runner is None:
+            raise RuntimeError(f"{rows} was compiled but cannot be loaded ({unusable})")
+        return runner
+    def _inputs(self):
+        return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens]
+
+    def _check_against_eager(self):
+        """Refuse a compiled step whose first step is not the eager one's, in its logits or in the cache it
+        wrote (a program whose writes landed in a copy would give the eager logits once, then drift)."""
+        compiled, eager = self._rehearse(self.run), self._rehearse(self._step)
+        # compiled and eager sum in other orders: as close as two float32 forwards, or a few bfloat16 steps
+        share = 1e-3 if self.cache.heads_k.dtype == torch.float32 else 5e-2
+        for got, want in zip(compiled, eager):
+            if got.shape != want.shape or not (got.double() - want.double()).abs().max().item() <= share * max(
+                    1.0, want.double().abs().max().item()):
+                raise RuntimeError(f"the compiled decode step ({shown(self.package)}) does not compute what the "
+                                   "eager step does; delete that file and run again")
+
     def _rehearse(self, fn):
-        """Run fn, then put the cache back as it was: rehearsals must not count as steps."""
-        saved = (self.cache.k.clone(), self.cache.v.clone(), self.cache.cache_seqlens.clone())
-        fn()
-        for live, kept in zip((self.cache.k, self.cache.v, self.cache.cache_seqlens), saved):
-            live.copy_(kept)
+        """Run fn, then put the cache back as it was (rehearsals must not count as steps); returns what fn
+        returned and the cache it left."""
+        live = (self.cache.k, self.cache.v, self.cache.cache_seqlens)
+        saved = [t.clone() for t in live]
+        out = fn()
+        after = [out.clone() if out is not None else None] + [t.clone() for t in live]
+        for t, kept in zip(live, saved):
+            t.copy_(kept)
+        return after
 
     def _capture(self):
         side = torch.cuda.Stream()
@@ -348,16 +530,18 @@ class FastEngine(Engine):
     """prefill_clone's Engine with its decode step made fast from outside.
 
     kernel: the decode steps' matrix multiply: "auto" measures the exact candidates once per batch size
-    where this runs and keeps the fastest (self.chosen says which); a name fixes it. compile:
-    torch.compile the graph-safe decode step, once per batch size (inductor then picks the kernels;
-    self.compile_seconds says what it took); its cache is the full context, so one compile serves
-    every prompt and length. cuda_graph: replay each decode step as a CUDA graph (on a CPU the same
+    where this runs and keeps the fastest (self.chosen says which); a name fixes it. compile: the
+    graph-safe decode step compiled ahead of time, once per batch size, and kept in the folder
+    compile_cache, so a later Engine with the same weights loads it in seconds (DecodeStep says
+    how; inductor picks the kernels; self.compile_seconds says what making it ready took, and
+    self.steps[batch].loaded whether it was loaded); its cache is the full context, so one
+    compiled step serves every prompt and length. cuda_graph: replay each decode step as a CUDA graph (on a CPU the same
     graph-safe step runs eagerly); with compile on CUDA the compiled step is what is captured.
     dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache.
     """
 
     def __init__(self, model, tokenizer=None, kernel="auto", compile=False, dtype=torch.float32, cuda_graph=False,
-                 fill=clone_prompt):
+                 fill=clone_prompt, compile_cache=None):
         device = model.emb.weight.device
         dtype = check_dtype(dtype, device)
         if kernel != "auto":
@@ -370,7 +554,7 @@ class FastEngine(Engine):
         super().__init__(model if model.emb.weight.dtype == dtype else copy.deepcopy(model).to(dtype), tokenizer, fill)
         # a bfloat16 copy or a compiled step with frozen weights would keep running the weights of now
         self.source, self.weights = model, weights_state(model)
-        self.kernel, self.compile, self.cuda_graph = kernel, compile, cuda_graph
+        self.kernel, self.compile, self.cuda_graph, self.compile_cache = kernel, compile, cuda_graph, compile_cache
         # a compiled or graphed step is made once per batch and kept; it reads every slot of a
         # full-context cache behind a mask, so one of them serves every prompt and length
         self.keeps_step = compile or cuda_graph
@@ -397,7 +581,8 @@ class FastEngine(Engine):
         if batch not in self.steps:
             cache = KVCache.for_model(self.model, batch, max_len)
             model = self.model if self.compile else self.kernel_model(batch)
-            self.steps[batch] = DecodeStep(model, cache, self.compile, capture=cache.k.device.type == "cuda")
+            self.steps[batch] = DecodeStep(model, cache, self.compile, capture=cache.k.device.type == "cuda",
+                                           compile_cache=self.compile_cache)
             self.compile_seconds[batch] = self.steps[batch].compile_seconds
         step = self.steps[batch]
         step.cache.reset()
@@ -414,9 +599,9 @@ class FastEngine(Engine):
     @torch.inference_mode()
     def prepare(self, batch):
         """Do now what the first generate of `batch` rows would do before its first token: measure the
-        matrix multiplies, or make the kept decode step (compiling takes a minute or so). Returns the
-        seconds compiling took, 0 if nothing was compiled; a script calls it before anything it times
-        or shows an ETA for."""
+        matrix multiplies, or make the kept decode step (compiling takes a minute or so, loading a
+        kept one seconds). Returns the seconds making the compiled step ready took, 0 if not compiled;
+        a script calls it before anything it times or shows an ETA for."""
         if self.keeps_step:
             self.decoder(batch, self.model.cfg.context)
         else:

@@ -19,7 +19,6 @@ so one decode step (compiled with --compile before anything is timed), each
 path run once untimed, then three runs each in turns.
 """
 import operator
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -336,8 +335,6 @@ def main():
     # one Engine, so both paths run the same decode step; it is compiled, and each path run once, before
     # anything is timed, and the paths take turns, so a neighbour's load falls on both alike
     engine, fills = FastEngine(model, tokenizer, **speed), {"clone": clone_prompt, "separate": prompt_per_row}
-    if args.compile:
-        print(f"compiling the decode step for {args.n} rows (a minute or so)", file=sys.stderr)
     compile_seconds = engine.prepare(args.n)
     runs = {name: [] for name in fills}
     for i in range(4):
@@ -354,7 +351,7 @@ def main():
         raise SystemExit("prefill_clone.py: error: the two ways of filling the rows gave different tokens")
     (clone_ttft, clone_total), (sep_ttft, sep_total) = (
         (sorted(r[0] for r in rs)[1], sorted(r[1] for r in rs)[1]) for rs in runs.values())
-    compiled = f"the decode step compiled in {compile_seconds:.0f} s, " if args.compile else ""
+    compiled = f"the compiled decode step ready in {compile_seconds:.1f} s, " if args.compile else ""
     print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens, {args.device}, {args.dtype}, "
           f"{torch.get_num_threads()} threads; {compiled}each path run once first, then median of 3 taken in "
           "turns (same decode step and same tokens from both paths):")

@@ -11,7 +11,6 @@ precision (kernels.FastEngine's compile and dtype); the text is the same
 compiled, and may part from float32's in bfloat16. Compiling comes first,
 and its time is printed last.
 """
-import sys
 
 # before torch: cli.startup_failure makes a failing import one line
 from cli import Parser, check_count, run_cli
@@ -34,10 +33,8 @@ SETTINGS = {
 
 def grid(model, tokens, n_tokens, seed, progress=None, **engine):
     """Each setting's new tokens, all eight rows from one run of the prompt, and the seconds compiling the
-    decode step took (0 unless compiled, and not in the progress line's ETA); engine: Engine's compile, dtype."""
+    decode step took (0 unless compiled, and not in the progress line's ETA); engine: Engine's compile, compile_cache, dtype."""
     engine = FastEngine(model, **engine)
-    if engine.compile and progress:
-        print(f"compiling the decode step for {len(SETTINGS)} rows (a minute or so)", file=sys.stderr)
     compile_seconds = engine.prepare(len(SETTINGS))
     rows, _ = engine.generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, progress=progress,
                                     seed=[seed] * len(SETTINGS), settings=list(SETTINGS.values()))
@@ -66,7 +63,7 @@ def main():
         print(tokenizer.decode(tokens + row).strip())
         print()
     if args.compile:
-        print(f"the decode step compiled in {compile_seconds:.0f} s")
+        print(f"the compiled decode step ready in {compile_seconds:.1f} s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,216 @@
+"""kernels.DecodeStep(compile=True): compiled once, kept on disk under what makes it valid, loaded after.
+
+A loaded step gives the eager tokens; a second Engine loads without compiling; any change to what
+the step was compiled for is another key; a damaged or foreign package is said, left and compiled anew.
+"""
+import copy
+import shutil
+import sys
+
+import pytest
+import torch
+
+import kernels
+from cached import CachedGPT, break_on_purpose
+from cli import run_cli
+from kernels import FastEngine, compiler_missing, step_key
+from model import Config
+from prefill_clone import Engine, KVCache
+
+pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
+
+SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
+PROMPT = [5, 17, 300, 42, 9]
+BATCHES = (1, 3)
+# inductor's plain settings: the tests check what is kept and loaded, and compiling with the autotuner
+# costs a minute or more a batch here (test_prefill_clone checks the Engine compiled as set)
+LIGHT = {"cpu": {}}
+
+
+def small():
+    torch.manual_seed(0)
+    model = CachedGPT(SMALL).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10)  # untrained scores are too flat for sampled tokens to say much
+    return model
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    """One model, its step compiled for each of BATCHES into a folder of its own: (model, folder, engine)."""
+    folder = tmp_path_factory.mktemp("compiled")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "COMPILE_OPTIONS", LIGHT)
+        model = small()
+        engine = FastEngine(model, compile=True, compile_cache=folder)
+        for batch in BATCHES:
+            engine.prepare(batch)
+        yield model, folder, engine
+
+
+@pytest.fixture
+def light(monkeypatch):
+    monkeypatch.setattr(kernels, "COMPILE_OPTIONS", LIGHT)
+
+
+def never_compile(monkeypatch):
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled, where a kept step should have been loaded")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiled)
+
+
+def assert_eager_tokens(engine, model, batch):
+    for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):  # to the end of the context
+        eager = Engine(model).generate_batch(PROMPT, batch, max_tokens=SMALL.context - len(PROMPT), **knobs)[0]
+        assert engine.generate_batch(PROMPT, batch, max_tokens=SMALL.context - len(PROMPT), **knobs)[0] == eager
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens_at_every_step(kept, batch):
+    model, folder, engine = kept
+    step = engine.steps[batch]
+    assert not step.loaded and step.package.startswith(str(folder)) and engine.compile_seconds[batch] > 0
+    assert_eager_tokens(engine, model, batch)
+
+
+def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_eager_tokens(kept, light,
+                                                                                         monkeypatch, capsys):
+    model, folder, first = kept
+    never_compile(monkeypatch)
+    kept_bytes = {b: open(first.steps[b].package, "rb").read() for b in BATCHES}
+    engine = FastEngine(model, compile=True, compile_cache=folder)
+    for batch in BATCHES:
+        engine.prepare(batch)
+        step = engine.steps[batch]
+        assert step.loaded and step.package == first.steps[batch].package and engine.compile_seconds[batch] > 0
+        assert f"for {batch} rows: loaded from {step.package}" in capsys.readouterr().err
+        assert_eager_tokens(engine, model, batch)
+        assert open(step.package, "rb").read() == kept_bytes[batch]
+
+
+def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
+    model = small()
+    cache = KVCache.for_model(model, 1, SMALL.context)
+    key = step_key(model, cache, LIGHT["cpu"])
+    assert step_key(small(), KVCache.for_model(model, 1, SMALL.context), {}) == key  # the same, made again
+
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.blocks[1].mlp[2].weight[3, 5] += 1e-3  # one weight, a little
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    others = {
+        "weights": step_key(changed, cache, {}),
+        "batch": step_key(model, KVCache.for_model(model, 3, SMALL.context), {}),
+        "dtype": step_key(bf16, KVCache.for_model(bf16, 1, SMALL.context), {}),
+        "model class": step_key(break_on_purpose(copy.deepcopy(model), "rope"), cache, {}),
+        "options": step_key(model, cache, {"freezing": True}),
+    }
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    others["torch"] = step_key(model, cache, {})
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "machine_name", lambda device: "another CPU | avx2")
+    others["machine"] = step_key(model, cache, {})
+    monkeypatch.undo()
+    sources = kernels.step_sources(model, cache)
+    monkeypatch.setattr(kernels, "step_sources", lambda *args: {**sources, "model.py": "edited"})
+    others["source"] = step_key(model, cache, {})
+    assert len({key, *others.values()}) == 1 + len(others), others
+    assert {"model.py", "cached.py", "prefill_clone.py", "kernels.py"} <= set(sources)
+
+
+def test_weights_changed_in_place_are_refused_by_the_engine_and_compiled_anew_by_a_new_one(kept, light,
+                                                                                         monkeypatch):
+    model, folder, _ = kept
+    model = copy.deepcopy(model)  # the same weights: the kept step serves it
+    engine = FastEngine(model, compile=True, compile_cache=folder)
+    engine.prepare(1)
+    assert engine.steps[1].loaded
+    with torch.no_grad():
+        model.norm.weight.mul_(2)
+    with pytest.raises(ValueError, match="weights changed after this Engine was made"):
+        engine.generate_batch(PROMPT, 1, max_tokens=3)
+
+    class Compiles(Exception):
+        pass
+
+    def compiles(*args, **kwargs):
+        raise Compiles
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiles)
+    with pytest.raises(Compiles):
+        FastEngine(model, compile=True, compile_cache=folder).prepare(1)
+
+
+def damaged(good, other):
+    """What may stand at a package's path, made from a good package's bytes and another key's package."""
+    flipped = bytearray(good)
+    flipped[len(flipped) // 2] ^= 0xFF
+    return {"truncated": good[:len(good) // 2], "a flipped bit": bytes(flipped), "not a zip": b"hello",
+            "another batch's package": other}
+
+
+@pytest.mark.parametrize("what", ["truncated", "a flipped bit", "not a zip", "another batch's package"])
+def test_a_damaged_or_foreign_package_is_said_in_one_line_left_as_it_is_and_compiled_anew(
+        kept, light, what, tmp_path, monkeypatch, capsys):
+    model, folder, first = kept
+    path = tmp_path / first.steps[1].package.rsplit("/", 1)[1]
+    good = open(first.steps[1].package, "rb").read()
+    path.write_bytes(damaged(good, open(first.steps[3].package, "rb").read())[what])
+    before = path.read_bytes()
+
+    def compiled(program, package_path, inductor_configs):  # what compiling batch 1 again makes, at once
+        package_path.write(good)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiled)
+    engine = FastEngine(model, compile=True, compile_cache=tmp_path)
+    engine.prepare(1)
+    said = [line for line in capsys.readouterr().err.splitlines() if "cannot be used" in line]
+    assert len(said) == 1 and said[0].endswith("compiling anew and leaving that file as it is (delete it to keep "
+                                               "the new one there)")
+    assert not engine.steps[1].loaded and path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary file left behind
+    assert_eager_tokens(engine, model, 1)
+
+
+def test_a_package_another_run_kept_while_this_one_compiled_is_left_as_it_is(kept, light, tmp_path, monkeypatch):
+    model, folder, first = kept
+    good = open(first.steps[1].package, "rb").read()
+    path = tmp_path / first.steps[1].package.rsplit("/", 1)[1]
+
+    def compiled(program, package_path, inductor_configs):
+        path.write_bytes(good + b"")  # the other run's, renamed into place first
+        package_path.write(good)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiled)
+    engine = FastEngine(model, compile=True, compile_cache=tmp_path)
+    engine.prepare(1)
+    assert path.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert_eager_tokens(engine, model, 1)
+
+
+def test_a_step_that_computes_something_else_is_refused_in_one_line(kept, light, tmp_path, monkeypatch):
+    """A package made for this key that still computes other logits (what neither the key nor the checksums
+    can see) is refused on its first, rehearsed step: never run."""
+    model, folder, first = kept
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.norm.weight.mul_(2)
+    made_for = step_key(model, first.steps[1].cache, LIGHT["cpu"])
+    monkeypatch.setattr(kernels, "step_key", lambda *args: made_for)  # the other model's key were the first's
+    shutil.copy(first.steps[1].package, tmp_path)
+    never_compile(monkeypatch)
+    with pytest.raises(RuntimeError, match=r"the compiled decode step \(.*\) does not compute what the eager "
+                                           r"step does; delete that file and run again") as refused:
+        FastEngine(other, compile=True, compile_cache=tmp_path).prepare(1)
+    assert len(str(refused.value).splitlines()) == 1
+
+
+def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_the_checkpoint_is_read(
+        tmp_path, monkeypatch):
+    taken = tmp_path / "a file"
+    taken.write_text("mine")
+    monkeypatch.setattr(sys, "argv", ["prefill_clone.py", "no-such.pt", "--compile", "--compile-cache", str(taken)])
+    import prefill_clone
+    with pytest.raises(SystemExit) as exit:
+        run_cli(prefill_clone.main)
+    assert exit.value.code == (f"prefill_clone.py: error: cannot make the compile cache folder {taken} (File exists); "
+                               "name another with --compile-cache")
+    assert taken.read_text() == "mine"

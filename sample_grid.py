@@ -33,7 +33,8 @@ SETTINGS = {
 
 def grid(model, tokens, n_tokens, seed, progress=None, **engine):
     """Each setting's new tokens, all eight rows from one run of the prompt, and the seconds compiling the
-    decode step took (0 unless compiled, and not in the progress line's ETA); engine: Engine's compile, compile_cache, dtype."""
+    decode step took (0 unless compiled, and not in the progress line's ETA); engine: FastEngine's compile,
+    compile_cache, dtype."""
     engine = FastEngine(model, **engine)
     compile_seconds = engine.prepare(len(SETTINGS))
     rows, _ = engine.generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, progress=progress,

@@ -480,6 +480,7 @@ class DecodeStep:
         if runner is None:
             raise RuntimeError(f"{rows} was compiled but cannot be loaded ({unusable})")
         return runner
+
     def _inputs(self):
         return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens]
 

@@ -112,7 +112,8 @@ def test_the_default_run_prints_the_posts_table_first_and_runs_no_other_table(mo
     assert lines[2].startswith("0. the post's table") and "Summed, not run whole" in out
     header = lines.index("batch tokens   no cache tok/s      cache tok/s  speedup  MB/step no cache %bw cache %bw")
     # tok/s twice, the speedup, MB a cached step reads, each loop's share of the bandwidth
-    row = re.compile(r"\s*(\d+)\s+(\d+)\s+[\d,]+ ±\s*\d+%\s+[\d,]+ ±\s*\d+%\s+\d+\.\dx\s+\d+\.\d\s+\d+\.\d%\s+\d+\.\d%")
+    row = re.compile(r"\s*(\d+)\s+(\d+)\s+[\d,]+ ±\s*\d+%\s+[\d,]+ ±\s*\d+%\s+\d+\.\dx"
+                     r"\s+\d+\.\d\s+\d+\.\d%\s+\d+\.\d%")
     rows = [row.fullmatch(line) for line in lines[header + 1:header + 5]]
     assert [r and r.groups() for r in rows] == [("1", "8"), ("1", "12"), ("2", "8"), ("2", "12")]
     assert lines[header + 5:] == ["", "cache at 256 tokens, batch 1: 3.00 MiB measured (2 x 6 layers x 256 tokens "

@@ -8,7 +8,16 @@
 Untrained weights, greedy, fp32, 8-token random prompts, seeded. Each figure
 is the median of --runs runs after a warm-up, with its spread (half the range,
 as a share of the median); the figures a row compares take turns, one run each
-a round, so their ratios are measured side by side. Rows print as they are measured:
+a round, so their ratios are measured side by side. Rows print as they are measured.
+
+Every decode figure (tables 0, 4 and 6) stands beside the physical limit, as
+gpt-fast and nanochat's infer_bench print it: the header gives the memory read
+bandwidth measured first (read_bandwidth: a 1 GiB tensor summed, the median of
+5 after a warm-up), and each tok/s figure the bytes a step of it must read
+(bytes_per_step: every weight once, and the keys and values it attends to) and
+the rate it reads them at as a share of that bandwidth. A decode step at batch B
+reads the weights once for B tokens, so the rate is bytes a step x tok/s / B.
+A figure near 100% cannot get much faster; one at 20% can.
 
 0. The post's table (what runs with no --tables): tok/s with no cache (Part 3's
    loop) and with cached.py's cache at batch 1 and 16, 64, 256 and 1,024 tokens,
@@ -46,14 +55,14 @@ import time
 from bisect import bisect_left
 
 # before torch: cli.startup_failure makes a failing import one line
-from cli import Parser, atomic_write, check_output, device_from, run_cli, show_progress
+from cli import Parser, atomic_write, check_output, device_from, free_memory, run_cli, show_progress
 
 import torch
 
 from cached import CachedGPT, LayerCache, first_difference, load
 from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, FastEngine, check_compiler, choose, sync, with_kernel
 from model import Config
-from prefill_clone import clone_prompt, prompt_per_row, run_prompt, timed_generation
+from prefill_clone import cache_bytes, clone_prompt, prompt_per_row, run_prompt, timed_generation
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50, drift=256,
             wrappers=True)
@@ -62,6 +71,7 @@ QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), s
 CHECKPOINT = "holmes.pt"  # the shipped weights, for the bf16 drift
 TABLES = "0123456"
 PROMPT = 8  # the post's prompt length, in tokens
+READ_BYTES = 2**30  # the tensor read_bandwidth sums: far past any last-level cache
 
 
 def median(xs):
@@ -98,6 +108,56 @@ def timings(fns, runs, device, warmups=None, label=""):
 def measure(fns, runs, device, warmups=None, label=""):
     """{name: (median, spread)} of each fn's wall time over runs, timed in turns as timings() does."""
     return {name: (median(ts), half_range(ts)) for name, ts in timings(fns, runs, device, warmups, label).items()}
+
+
+def read_bandwidth(device, nbytes=READ_BYTES, runs=5):
+    """Bytes per second this machine reads from memory with torch's threads here: a float32 tensor of
+    nbytes (at most a quarter of the memory available) summed, the median of `runs` after a warm-up."""
+    available = free_memory(device)
+    if available is not None:
+        nbytes = min(nbytes, available // 4)
+    # filled, not torch.empty: untouched pages all map the one zero page, and summing them reads no memory
+    x = torch.ones(nbytes // 4, device=device)
+    seconds = timings({"sum": x.sum}, runs, device, label="memory read:")["sum"]
+    return x.nbytes / median(seconds)
+
+
+def bytes_per_step(model, batch, n_tokens, cached=True, cache_dtype=None):
+    """The bytes a step of a greedy generation of `batch` rows must read from memory, averaged over the
+    n_tokens steps that make its tokens from a PROMPT-token prompt: over a step's time, the rate it reads
+    at (gpt-fast counts the weights alone; nanochat's infer_bench the weights and the cache, as here).
+
+    Every weight once, at its own dtype: a step reads them once for all its rows (parameters and
+    buffers alike, as gpt-fast counts them). The embedding table only at the rows it looks up,
+    unless the head reads it whole (tied, as here), when it counts once. Cached, each row's keys and
+    values at the positions it attends to, in cache_dtype (default the embedding's, as KVCache keeps
+    them): the step making token j attends min(PROMPT + j, context) (the prefill, j = 0, its
+    prompt); a step that reads more than that (the compiled one reads the whole window behind a
+    mask) is not credited for it. Uncached, a step recomputes its keys rather than reading them.
+    """
+    cfg, emb = model.cfg, model.emb.weight
+    attended = [min(PROMPT + j, cfg.context) for j in range(n_tokens)]
+    weights = sum(t.nbytes for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+    if not any(t is emb for t in (*model.head.parameters(), *model.head.buffers())):
+        looked_up = batch if cached else batch * sum(attended) / n_tokens  # the uncached step feeds what it attends
+        weights += looked_up * emb[0].nbytes - emb.nbytes
+    if not cached:
+        return weights
+    per_position = cache_bytes(batch, cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim, cache_dtype or emb.dtype)
+    return weights + per_position * sum(attended) / n_tokens
+
+
+def put_bandwidth(row, key, step_bytes, bandwidth):
+    """row[key + "_step_bytes"] and row[key + "_bandwidth_share"]: what a step of row[key] tok/s reads, and
+    the rate it reads at (bytes a step x steps a second, tok/s over the batch) as a share of the bandwidth."""
+    row[key + "_step_bytes"] = step_bytes
+    row[key + "_bandwidth_share"] = step_bytes * row[key] / row["batch"] / bandwidth
+
+
+def bandwidth_cells(row, keys, width):
+    """Each key's MB a step reads and its share of the bandwidth, one cell of `width` each."""
+    return " ".join(f"{row[k + '_step_bytes'] / 1e6:>{width - 8}.1f} MB {row[k + '_bandwidth_share']:>4.0%}"
+                    for k in keys)
 
 
 def machine(device):
@@ -197,7 +257,7 @@ def speed_cell(row, key):
     return f"{row[key]:>9,.0f} ±{row[key + '_spread']:>4.0%}"
 
 
-def table_post(model, device, sizes, runs, whole, out):
+def table_post(model, device, sizes, runs, whole, bandwidth, out):
     cfg, lengths = model.cfg, sizes["lengths"]
     counts = step_counts(max(lengths), cfg.context)
     print(f"\n0. the post's table: greedy tok/s = batch x tokens / seconds from an {PROMPT}-token prompt, with no "
@@ -209,10 +269,15 @@ def table_post(model, device, sizes, runs, whole, out):
     print("   tokens (the median of up to 5 calls in a row, each run), a step in between costs their linear")
     print("   interpolation, and a generation costs its prefill plus its steps"
           + ("." if whole else " (--whole also times whole generations)."))
+    print(f"   MB/step: what a cached step must read, the weights ({bytes_per_step(model, 1, 1, False) / 1e6:.1f} MB) "
+          "and the keys and values it")
+    print("   attends to (mean over the generation); an uncached step reads the weights alone. %bw, each loop: bytes")
+    print("   a step x steps a second, over the measured bandwidth")
     if whole:
         print("   whole: whole generations, timed as the post's bench.py does, in turns with the steps; summed/whole:")
         print("   the summed seconds over the whole ones, no cache and cache")
-    print(f"{'batch':>5} {'tokens':>6} {'no cache tok/s':>16} {'cache tok/s':>16} {'speedup':>8}"
+    print(f"{'batch':>5} {'tokens':>6} {'no cache tok/s':>16} {'cache tok/s':>16} {'speedup':>8} {'MB/step':>8} "
+          f"{'no cache %bw':>12} {'cache %bw':>9}"
           + (f" {'whole: no cache':>16} {'cache':>16} {'summed/whole':>14}" if whole else ""))
     out.update({"step_counts": counts, "rows": []})
     loops = {"no_cache": model.generate_uncached, "cache": model.generate_cached}
@@ -238,9 +303,12 @@ def table_post(model, device, sizes, runs, whole, out):
                                       + (times["prefill"][r] if name == "cache" else 0) for r in range(runs)])
                 if whole:
                     put_speed(row, "whole_" + name, times["whole_" + name, n])
+            for name in loops:
+                put_bandwidth(row, name, bytes_per_step(model, batch, n, cached=name == "cache"), bandwidth)
             out["rows"].append(row)
             line = f"{batch:>5} {n:>6} {speed_cell(row, 'no_cache')} {speed_cell(row, 'cache')} " \
-                   f"{row['cache'] / row['no_cache']:>7.1f}x"
+                   f"{row['cache'] / row['no_cache']:>7.1f}x {row['cache_step_bytes'] / 1e6:>8.1f} " \
+                   f"{row['no_cache_bandwidth_share']:>12.1%} {row['cache_bandwidth_share']:>9.1%}"
             if whole:  # summed seconds over whole seconds, each loop
                 line += (f" {speed_cell(row, 'whole_no_cache')} {speed_cell(row, 'whole_cache')} "
                          f"{row['whole_no_cache'] / row['no_cache']:>6.2f} {row['whole_cache'] / row['cache']:>6.2f}")
@@ -258,11 +326,13 @@ def engine_forms(model):
             "engine_bf16": FastEngine(model, dtype=torch.bfloat16)}
 
 
-def table_decode(model, engines, device, sizes, runs, out):
+def table_decode(model, engines, device, sizes, runs, bandwidth, out):
     print("\n4. decode speed, the post's two loops timed whole beside the Engine: tok/s = batch x tokens / seconds")
     print("   (median, ± half range)")
     print("   Engine: kernels.FastEngine's default (the fastest exact kernel, table 3); compiled: compile=True;")
     print("   bf16: dtype=torch.bfloat16 (weights and cache; its drift from float32 below)")
+    print("   Under each row, MB %bw: what a step must read (table 0's MB/step, at each form's dtype), and bytes a")
+    print("   step x steps a second over the measured bandwidth")
     print(f"{'batch':>5} {'tokens':>6} {'no cache':>14} {'cached.py':>14} {'Engine':>14} {'compiled':>14} "
           f"{'bf16':>14} {'cache/none':>10} {'Engine/cached':>13} {'compiled/cached':>15} {'bf16/cached':>11}")
     gen = torch.Generator().manual_seed(0)
@@ -283,11 +353,15 @@ def table_decode(model, engines, device, sizes, runs, out):
             for name, (t, spread) in timed.items():
                 row[name], row[name + "_spread"] = batch * n / t, spread
             row["compile_seconds"] = engines["engine_compiled"].compile_seconds[batch]
+            for name in ways:
+                reads = engines[name].model if name in engines else model
+                put_bandwidth(row, name, bytes_per_step(reads, batch, n, cached=name != "no_cache"), bandwidth)
             out.append(row)
             cells = " ".join(f"{row[k]:>7,.0f} ±{row[k + '_spread']:>4.0%}" for k in ways)
             ratios = (f"{row['cached'] / row['no_cache']:>9.1f}x {row['engine'] / row['cached']:>12.2f}x "
                       f"{row['engine_compiled'] / row['cached']:>14.2f}x {row['engine_bf16'] / row['cached']:>10.2f}x")
-            print(f"{batch:>5} {n:>6} {cells} {ratios}", flush=True)
+            print(f"{batch:>5} {n:>6} {cells} {ratios}")
+            print(f"{'MB %bw':>12} {bandwidth_cells(row, ways, 13)}", flush=True)
         print(f"   batch {batch}: compiling the step took {row['compile_seconds']:.1f} s (not in the figures); "
               f"Engine's kernel: {engines['engine'].chosen[batch]}")
 
@@ -434,6 +508,8 @@ def table_cuda(model, device, sizes, runs, out):
 PEERS = {"transformers": (("transformers",), "requirements.txt"),
          "ctranslate2": (("ctranslate2",), "requirements-serve.txt"),
          "llama_cpp": (("gguf", "llama_cpp"), "requirements-serve.txt")}
+# the serving engines' key and value dtype, where it is not the weights' float32: llama.cpp's default cache is f16
+PEER_CACHE_DTYPES = {"llama_cpp": torch.float16}
 
 
 def missing_peers(device):
@@ -450,7 +526,7 @@ def missing_peers(device):
     return missing
 
 
-def table_peers(model, engines, device, sizes, runs, out):
+def table_peers(model, engines, device, sizes, runs, bandwidth, out):
     """The same weights through the serving engines, side by side with the Engine's forms, greedy; an engine
     that cannot run here keeps its column, shown as -, and a line says why.
 
@@ -463,6 +539,8 @@ def table_peers(model, engines, device, sizes, runs, out):
     n = min(256, max(sizes["lengths"]))
     print(f"\n6. the same weights through the serving engines: greedy tok/s, {n} tokens (median); the Engine's "
           "three forms as in table 4; llama.cpp and CTranslate2 each in a fresh process of its own every round")
+    print("   Under each row, %bw: the MB a step must read (as in table 4; llama.cpp keeps its keys and values in f16)")
+    print("   and bytes a step x steps a second over the measured bandwidth")
     missing = missing_peers(device)
     for name, why in missing.items():
         print(f"   {name}: {why}")
@@ -497,10 +575,16 @@ def table_peers(model, engines, device, sizes, runs, out):
             timed = measure({name: lambda run=run: run(batch) for name, run in peers.items()}, runs, device,
                             label=f"batch {batch}:")
             row.update({name: batch * n / t for name, (t, _) in timed.items()})
+            for name in timed:
+                reads = engines[name].model if name in engines else model
+                put_bandwidth(row, name, bytes_per_step(reads, batch, n, cache_dtype=PEER_CACHE_DTYPES.get(name)),
+                              bandwidth)
             out.append(row)
             ratio = f"{row['engine_compiled'] / row['llama_cpp']:>21.2f}x" if "llama_cpp" in row else f"{'-':>22}"
             print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" if name in row else f"{'-':>15}" for name in columns)
-                  + f" {ratio}", flush=True)
+                  + f" {ratio}")
+            print(f"{'%bw':>5} " + " ".join(bandwidth_cells(row, [name], 15) if name in row else f"{'-':>15}"
+                                           for name in columns), flush=True)
 
 
 def main():
@@ -544,14 +628,15 @@ def main():
     model = CachedGPT().to(device).eval()
     engines = engine_forms(model) if tables & set("46") else {}
     info = machine(device)
+    bandwidth = info["read_bytes_per_s"] = read_bandwidth(device)
     print(f"bench.py: {info['device']} ({info.get('gpu', info['cpu'])}), {info['threads']} "
-          f"thread{'s' * (info['threads'] != 1)}, "
+          f"thread{'s' * (info['threads'] != 1)}, memory read {bandwidth / 1e9:.1f} GB/s (a tensor sum), "
           f"torch {info['torch']}, untrained weights, greedy, fp32, median of {args.runs} runs in turns after a "
           "warm-up")
     report = {"machine": info, "quick": args.quick, "runs": args.runs, "tables": sorted(tables), "post": {},
               "decode": [], "memory": [], "prefill_clone": [], "kernels": [], "bf16_drift": {}, "cuda": {}}
     if "0" in tables:
-        table_post(model, device, sizes, args.runs, args.whole, report["post"])
+        table_post(model, device, sizes, args.runs, args.whole, bandwidth, report["post"])
     if "1" in tables:
         table_memory(device, report["memory"])
     if "2" in tables:
@@ -559,12 +644,12 @@ def main():
     if "3" in tables:
         table_kernels(model, device, sizes, args.runs, report["kernels"])
     if "4" in tables:
-        table_decode(model, engines, device, sizes, args.runs, report["decode"])
+        table_decode(model, engines, device, sizes, args.runs, bandwidth, report["decode"])
         table_drift(device, sizes["drift"], report["bf16_drift"])
     if "5" in tables:
         table_cuda(model, device, sizes, args.runs, report["cuda"])
     if "6" in tables:
-        table_peers(model, engines, device, sizes, args.runs, report.setdefault("peers", []))
+        table_peers(model, engines, device, sizes, args.runs, bandwidth, report.setdefault("peers", []))
     if args.json is not None:
         with atomic_write(args.json, "w", force=args.force) as f:
             json.dump(report, f, indent=1)

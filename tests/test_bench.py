@@ -1,6 +1,8 @@
 """bench.py: the default run is the post's table, first and alone; every figure is measured and present; its
 summed step costs add up to the steps a generation runs."""
+import copy
 import json
+import math
 import os
 import re
 import subprocess
@@ -12,6 +14,11 @@ import torch
 import bench
 from kernels import compiler_missing
 from test_bpe import run_main
+
+
+def read_by(keys):
+    """The keys bench.put_bandwidth adds beside each tok/s figure."""
+    return {k + suffix for k in keys for suffix in ("_step_bytes", "_bandwidth_share")}
 
 
 def positive_numbers(node, path="report"):
@@ -33,14 +40,15 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert report["machine"]["device"] == "cpu" and report["machine"]["threads"] == 2
-    assert report["machine"]["torch"] == torch.__version__
+    assert report["machine"]["torch"] == torch.__version__ and report["machine"]["read_bytes_per_s"] > 0
     post = report["post"]
     assert post["step_counts"] == [8, 15] and [(r["batch"], r["tokens"]) for r in post["rows"]] == [(1, 8), (4, 8)]
     loops = ("no_cache", "cache", "whole_no_cache", "whole_cache")
-    assert all(set(r) == {"batch", "tokens", *loops, *(m + "_spread" for m in loops)} for r in post["rows"])
+    assert all(set(r) == {"batch", "tokens", *loops, *(m + "_spread" for m in loops), *read_by(loops[:2])}
+               for r in post["rows"])
     assert post["cache"] == {"tokens": 256, "measured_bytes": 3 * 2**20, "formula_bytes": 3 * 2**20}
     methods = ("no_cache", "cached", "engine", "engine_compiled", "engine_bf16")
-    decode_keys = {"batch", "tokens", "compile_seconds", *methods, *(m + "_spread" for m in methods)}
+    decode_keys = {"batch", "tokens", "compile_seconds", *methods, *(m + "_spread" for m in methods), *read_by(methods)}
     assert len(report["decode"]) == 2 and all(set(r) == decode_keys for r in report["decode"])
     assert [r["config"] for r in report["memory"]] == ["Part 3 (4 heads)", "GQA (4 q heads, 1 kv head)"]
     # the post's figures: 2 x 6 x 256 x 256 x 4 bytes = 3.00 MiB; one kv head of four keeps a quarter
@@ -58,7 +66,8 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     assert drift["first_difference"] is None or 0 <= drift["first_difference"] < 16
     assert report["cuda"]["skipped"].startswith("skipped: needs a CUDA device")
     installed = set(bench.PEERS) - set(bench.missing_peers(torch.device("cpu")))  # the serving engines here
-    columns = {"batch", "tokens", "engine", "engine_compiled", "engine_bf16", *installed}
+    engines = {"engine", "engine_compiled", "engine_bf16", *installed}
+    columns = {"batch", "tokens", *engines, *read_by(engines)}
     assert [r["batch"] for r in report["peers"]] == [1, 4] and all(set(r) == columns for r in report["peers"])
     numbers = dict(positive_numbers({k: report[k] for k in ("post", "decode", "memory", "prefill_clone", "kernels",
                                                             "peers")}))
@@ -99,9 +108,12 @@ def test_the_default_run_prints_the_posts_table_first_and_runs_no_other_table(mo
     lines = out.splitlines()
     assert lines[0].startswith(f"bench.py: cpu ({bench.machine(torch.device('cpu'))['cpu']}), "
                                f"{torch.get_num_threads()} thread") and f"torch {torch.__version__}" in lines[0]
+    assert re.search(r", memory read \d+\.\d GB/s \(a tensor sum\), ", lines[0]), lines[0]
     assert lines[2].startswith("0. the post's table") and "Summed, not run whole" in out
-    header = lines.index("batch tokens   no cache tok/s      cache tok/s  speedup")
-    row = re.compile(r"\s*(\d+)\s+(\d+)\s+[\d,]+ ±\s*\d+%\s+[\d,]+ ±\s*\d+%\s+\d+\.\dx")  # tok/s twice, speedup
+    header = lines.index("batch tokens   no cache tok/s      cache tok/s  speedup  MB/step no cache %bw cache %bw")
+    # tok/s twice, the speedup, MB a cached step reads, each loop's share of the bandwidth
+    row = re.compile(r"\s*(\d+)\s+(\d+)\s+[\d,]+ ±\s*\d+%\s+[\d,]+ ±\s*\d+%\s+\d+\.\dx"
+                     r"\s+\d+\.\d\s+\d+\.\d%\s+\d+\.\d%")
     rows = [row.fullmatch(line) for line in lines[header + 1:header + 5]]
     assert [r and r.groups() for r in rows] == [("1", "8"), ("1", "12"), ("2", "8"), ("2", "12")]
     assert lines[header + 5:] == ["", "cache at 256 tokens, batch 1: 3.00 MiB measured (2 x 6 layers x 256 tokens "
@@ -149,13 +161,74 @@ def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypa
     model = CachedGPT(Config(d_model=64, n_heads=4, n_layers=2, context=32)).eval()
     engines = {"engine": Engine(model), "engine_compiled": Engine(model), "engine_bf16": Engine(model)}  # no compile
     out = []
-    bench.table_peers(model, engines, torch.device("cpu"), {"lengths": (8,), "batches": (1,)}, 3, out)
+    bench.table_peers(model, engines, torch.device("cpu"), {"lengths": (8,), "batches": (1,)}, 3, 1e10, out)
     lines = capsys.readouterr().out.splitlines()
     assert "   transformers: not installed (pip install -r requirements.txt)" in lines
     assert any(line.startswith("   ctranslate2: ") for line in lines)
     assert "   llama_cpp: not installed (pip install -r requirements-serve.txt)" in lines
-    header, row = lines[-2].split(), lines[-1].split()
+    header, row, shares = lines[-3].split(), lines[-2].split(), lines[-1]
     assert header == ["batch", "engine", "engine_compiled", "engine_bf16", "transformers", "ctranslate2", "llama_cpp",
                       "compiled/llama_cpp"]
     assert row[0] == "1" and row[4:] == ["-", "-", "-", "-"] and len(row) == len(header)
-    assert set(out[0]) == {"batch", "tokens", "engine", "engine_compiled", "engine_bf16"}
+    # under the row, each engine that ran: the MB a step reads and its share of the bandwidth; the others -
+    assert re.fullmatch(r"  %bw(\s+\d+\.\d MB\s+\d+%){3}(\s+-){3}", shares), shares
+    assert set(out[0]) == {"batch", "tokens", "engine", "engine_compiled", "engine_bf16",
+                           *read_by(("engine", "engine_compiled", "engine_bf16"))}
+
+
+def test_the_bytes_a_step_reads_are_every_weight_once_and_the_cache_it_attends_to():
+    from cached import CachedGPT
+    from model import Config
+    d, vocab, layers, kv_width = 64, 128, 2, 32  # two kv heads of four: grouped-query, a half-width cache
+    model = CachedGPT(Config(vocab_size=vocab, d_model=d, n_heads=4, n_kv_heads=2, n_layers=layers, context=32)).eval()
+    # the embedding, tied to the head; per block two norms (weight and bias), qkv and out (no bias), the MLP's two
+    # layers (with bias); the final norm
+    params = vocab * d + layers * (2 * d + d * (d + 2 * kv_width) + d * d + 2 * d + (d * 4 * d + 4 * d)
+                                   + (4 * d * d + d)) + 2 * d
+    # 40 tokens from an 8-token prompt in a 32-token window: the steps attend to 8, 9, ..., 31 positions (the
+    # prefill, then one more each step), then to the full window for the last 16
+    positions = list(range(8, 32)) + [32] * 16
+    per_position = 2 * layers * kv_width  # keys and values of every layer, one row, one position, in values
+    mean = sum(positions) / len(positions)
+    assert bench.bytes_per_step(model, 3, 40) == pytest.approx(params * 4 + 3 * per_position * 4 * mean)
+    # uncached, a step recomputes its keys: the weights alone, whatever the batch
+    assert bench.bytes_per_step(model, 3, 40, cached=False) == params * 4
+    # a cache kept in another dtype than the weights (llama.cpp's f16)
+    assert bench.bytes_per_step(model, 3, 40, cache_dtype=torch.float16) == pytest.approx(
+        params * 4 + 3 * per_position * 2 * mean)
+    # in bfloat16, weights and cache both two bytes a value
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    assert bench.bytes_per_step(half, 3, 40) == pytest.approx(params * 2 + 3 * per_position * 2 * mean)
+    # untied, the head reads its own table whole and the lookup reads one row of the embedding per row
+    model.head.weight = torch.nn.Parameter(model.emb.weight.detach().clone())
+    assert bench.bytes_per_step(model, 3, 40) == pytest.approx((params + 3 * d) * 4 + 3 * per_position * 4 * mean)
+
+
+def test_the_bandwidth_measure_is_a_positive_finite_rate():
+    assert 0 < bench.read_bandwidth(torch.device("cpu")) < math.inf
+
+
+def test_every_row_of_the_decode_table_has_its_bytes_and_share_of_the_bandwidth_under_it(capsys):
+    from cached import CachedGPT
+    from kernels import FastEngine
+    from model import Config
+    model = CachedGPT(Config(vocab_size=256, d_model=64, n_heads=4, n_layers=2, context=32)).eval()
+    # the compiled column's place taken by the same graph-safe step run eagerly: no compile in a test
+    engines = {"engine": FastEngine(model), "engine_compiled": FastEngine(model, cuda_graph=True),
+               "engine_bf16": FastEngine(model, dtype=torch.bfloat16)}
+    out = []
+    bench.table_decode(model, engines, torch.device("cpu"), {"lengths": (8,), "batches": (1, 2)}, 3, 1e10, out)
+    lines = capsys.readouterr().out.splitlines()
+    rows = [i for i, line in enumerate(lines) if re.match(r"\s+[12]\s+8\s+[\d,]+ ±", line)]
+    assert len(rows) == 2
+    for i in rows:  # five forms, each its MB a step and its share
+        assert re.fullmatch(r"\s+MB %bw(\s+\d+\.\d MB\s+\d+%){5}", lines[i + 1]), lines[i + 1]
+    methods = ("no_cache", "cached", "engine", "engine_compiled", "engine_bf16")
+    for row in out:
+        assert read_by(methods) <= set(row)
+        # each share is the row's own figure: bytes a step x steps a second (tok/s over the batch) over the bandwidth
+        for m in methods:
+            assert row[m + "_bandwidth_share"] == pytest.approx(row[m + "_step_bytes"] * row[m] / row["batch"] / 1e10)
+        # bfloat16 reads half of what float32 does; the uncached loop reads no cache
+        assert row["engine_bf16_step_bytes"] == pytest.approx(row["engine_step_bytes"] / 2)
+        assert row["no_cache_step_bytes"] < row["cached_step_bytes"] == row["engine_step_bytes"]

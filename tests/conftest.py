@@ -1,7 +1,191 @@
-"""No test writes into the user's compile cache: each test's default compile cache is a folder of its own."""
+"""What several test files share: the shipped files' guard, running a script's main in-process as a
+real run shows it, train.py's small runs, Part 3's checkpoint format written without model.py, texts
+that a tokenizer or an exported model must round-trip; and where every test runs: in the repository's
+folder, with a compile cache of the suite's own."""
+import functools
+import hashlib
+import os
+import shutil
+import signal
+import sys
+
 import pytest
+import torch
+
+import train as train_module
+from export import SAMPLE
+from cli import run_cli
+from model import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = ("holmes.pt", "holmes.csv", "tokenizer.json")
+
+TEXT = (
+    "It is a capital mistake to theorize before one has data. Insensibly one begins "
+    "to twist facts to suit theories, instead of theories to suit facts. "
+    "You see, but you do not observe. The distinction is clear. I'll, we've, they're 42 times!\n\n"
+) * 3
 
 
-@pytest.fixture(autouse=True)
-def own_compile_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-home")))
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture
+def shipped_unchanged():
+    """Fails the test if it changed any shipped file (holmes.pt, holmes.csv, tokenizer.json) by a byte."""
+    before = {name: sha256(os.path.join(ROOT, name)) for name in SHIPPED}
+    yield
+    assert {name: sha256(os.path.join(ROOT, name)) for name in SHIPPED} == before
+
+
+def run_main(main, argv, monkeypatch, capsys):
+    """A script run in-process through run_cli: (exit status, stdout, stderr as a real run shows them)."""
+    monkeypatch.setattr(sys, "argv", [str(a) for a in argv])
+    handler = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; the test process keeps pytest's
+    try:
+        run_cli(main)
+        status, message = 0, ""
+    except SystemExit as e:  # sys.exit(message) prints the message and exits 1 in a real process
+        status, message = (1, f"{e.code}\n") if isinstance(e.code, str) else (e.code or 0, "")
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out, err = capsys.readouterr()
+    return status, out, err + message
+
+
+def assert_refused(run, message):
+    status, out, err = run
+    assert status == 1 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def special_input(tmp_path, kind):
+    """A path that is not a readable regular file of sensible size."""
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it would block until a writer comes
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "link-to-dev-zero":
+        path.symlink_to("/dev/zero")  # reading it would never end
+    elif kind == "too-big":
+        path.write_bytes(b"x" * 2000)
+    return "/dev/zero" if kind == "dev-zero" else path
+
+
+INPUTS = [
+    ("dev-zero", "/dev/zero is not a regular file"), ("link-to-dev-zero", "link-to-dev-zero is not a regular file"),
+    ("fifo", "fifo is not a regular file (a pipe or a device?)"), ("folder", "folder is a folder; give a file"),
+    ("missing", "missing not found"), ("too-big", "too-big is 0 MiB, more than the 0 MiB"),
+]
+
+
+TOKENIZER = os.path.join(ROOT, "tokenizer.json")
+CORPUS = "The game is afoot, Watson! Come, the hansom waits. " * 400
+TINY = ["--steps", "1", "--eval-batches", "1"]
+RUN_FILES = ("run.pt", "run.csv", "run.resume.pt")
+
+
+def small_and_fast(monkeypatch):
+    """A 2-layer, 64-wide model on batches of two 64-token windows: a step takes milliseconds where
+    Part 3's takes seconds on a shared CPU. The recipe and every file are otherwise the same."""
+    monkeypatch.setattr(train_module, "Config", functools.partial(Config, d_model=64, n_heads=2, n_layers=2,
+                                                                  context=64))
+    monkeypatch.setattr(train_module, "BATCH", 2)
+
+
+def train(tmp_path, *args, monkeypatch, capsys):
+    """train.py in-process in tmp_path, on its corpus.txt (CORPUS unless there is one) and the shipped
+    tokenizer, writing run.*; a small model and no progress line."""
+    monkeypatch.chdir(tmp_path)
+    small_and_fast(monkeypatch)
+    monkeypatch.setattr(train_module, "show_progress", lambda *args, **kwargs: None)
+    if not (tmp_path / "corpus.txt").exists():
+        (tmp_path / "corpus.txt").write_text(CORPUS)
+    argv = ["train.py", "--corpus", "corpus.txt", "--tokenizer", TOKENIZER, "--out", "run", *args]
+    return run_main(train_module.main, argv, monkeypatch, capsys)
+
+
+def in_process(path, *args):
+    """train.main in `path` with a small model, for module fixtures (no monkeypatch fixture there)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(path)
+        small_and_fast(mp)
+        mp.setattr("sys.argv", ["train.py", "--corpus", "corpus.txt", "--tokenizer", TOKENIZER, *args])
+        (path / "corpus.txt").write_text(CORPUS)
+        train_module.main()
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 1-step run to copy: corpus.txt, data/ (its ids), run.pt, run.csv."""
+    return in_process(tmp_path_factory.mktemp("finished"), "--out", "run", *TINY)
+
+
+def copy_run(source, tmp_path, files=("corpus.txt", "data", *RUN_FILES)):
+    for name in files:
+        if os.path.isdir(source / name):
+            shutil.copytree(source / name, tmp_path / name)
+        else:
+            shutil.copy(source / name, tmp_path / name)
+
+
+PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}
+
+
+def part3_state_dict(cfg, seed=0):
+    """Random weights under Part 3's key names, built without model.py."""
+    g = torch.Generator().manual_seed(seed)
+    d, V = cfg["d_model"], cfg["vocab_size"]
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    sd = {"emb.weight": w(V, d)}
+    for i in range(cfg["n_layers"]):
+        p = f"blocks.{i}."
+        sd.update({
+            p + "norm1.weight": 1 + w(d), p + "norm1.bias": w(d),
+            p + "attn.qkv.weight": w(3 * d, d), p + "attn.out.weight": w(d, d),
+            p + "norm2.weight": 1 + w(d), p + "norm2.bias": w(d),
+            p + "mlp.0.weight": w(4 * d, d), p + "mlp.0.bias": w(4 * d),
+            p + "mlp.2.weight": w(d, 4 * d), p + "mlp.2.bias": w(d),
+        })
+    sd["norm.weight"], sd["norm.bias"] = 1 + w(d), w(d)
+    sd["head.weight"] = sd["emb.weight"]
+    return sd
+
+
+ODD_TEXTS = [
+    SAMPLE,
+    "Crème brûlée à la façon de Zoë, señor Müller",
+    "東京で会いましょう。北京欢迎你。서울",
+    "Thumbs 👍🏽 family 👨‍👩‍👧‍👦 flags 🇬🇧 heart ❤️",
+    "e\u0301 combining a\u0308\u0304 marks and Z\u0351\u0364lgo",
+    "  two  spaces,   three,\n\n\nnewlines\t\ttabs \r\n end   ",
+    "I'll, you've, she's, they're, we'd, I'm, can't, DON'T, o'clock",
+    "Numbers 1895, 3.14159, 221B Baker Street; $5 & 10% off!?",
+]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def in_the_repo():
+    """The suite runs in the repository's folder, where the README runs the scripts (holmes.pt,
+    tokenizer.json), whatever folder pytest was started from."""
+    started_in = os.getcwd()
+    os.chdir(ROOT)
+    yield
+    os.chdir(started_in)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def own_compile_cache(tmp_path_factory):
+    """No test writes into the user's compile cache: the suite's default compile cache is a folder of its
+    own. One for the whole suite, so a step compiled for one test's weights and batch is loaded by the
+    next that asks for the same (a package is keyed by all that makes it valid)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-home")))
+        yield

@@ -13,7 +13,7 @@ import torch
 
 import bench
 from kernels import compiler_missing
-from test_bpe import run_main
+from conftest import assert_refused, run_main
 
 
 def read_by(keys):
@@ -87,10 +87,10 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     (["cpu", "--tables", "0,1", "--all"], "argument --all: not allowed with argument --tables"),
     (["cpu", "--tables", "1", "--whole"], "--whole times table 0's generations whole; add 0 to --tables"),
 ] + ([] if torch.cuda.is_available() else [(["cuda"], "no CUDA GPU")]))
-def test_bad_arguments_get_one_line_and_a_non_zero_exit(args, message):
-    run = subprocess.run([sys.executable, "bench.py", *args], capture_output=True, text=True)
-    assert run.returncode != 0
-    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+def test_bad_arguments_get_one_line_and_a_non_zero_exit(args, message, monkeypatch, capsys):
+    status, out, err = run_main(bench.main, ["bench.py", *args], monkeypatch, capsys)
+    assert status != 0 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_default_run_prints_the_posts_table_first_and_runs_no_other_table(monkeypatch, capsys):
@@ -138,15 +138,15 @@ def test_summed_step_costs_are_the_steps_a_generation_runs_flat_past_the_window(
         assert [a - b for a, b in zip(longer[loop], shorter[loop])] == pytest.approx([0, 0, 0, 0, 0, 768])
 
 
-def test_an_existing_json_is_kept_unless_forced_and_a_missing_folder_fails_at_once(tmp_path):
+def test_an_existing_json_is_kept_unless_forced_and_a_missing_folder_fails_at_once(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench.json"
     out.write_text("earlier results")
-    run = subprocess.run([sys.executable, "bench.py", "cpu", "--json", str(out)], capture_output=True, text=True)
-    assert run.returncode == 1 and "already exists; pass --force" in run.stderr and "Traceback" not in run.stderr
-    assert out.read_text() == "earlier results" and run.stdout == ""
-    missing = tmp_path / "no" / "bench.json"
-    run = subprocess.run([sys.executable, "bench.py", "cpu", "--json", str(missing)], capture_output=True, text=True)
-    assert run.returncode == 1 and "does not exist" in run.stderr and run.stdout == ""
+    run = run_main(bench.main, ["bench.py", "cpu", "--json", out], monkeypatch, capsys)
+    assert_refused(run, "already exists; pass --force")
+    assert out.read_text() == "earlier results" and run[1] == ""
+    run = run_main(bench.main, ["bench.py", "cpu", "--json", tmp_path / "no" / "bench.json"], monkeypatch, capsys)
+    assert_refused(run, "does not exist")
+    assert run[1] == ""
 
 
 def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypatch, capsys):

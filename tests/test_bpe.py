@@ -1,11 +1,9 @@
 """bpe.py is Part 1's tokenizer: its file format, its training and its encoding."""
-import hashlib
 import itertools
 import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,17 +13,7 @@ import pytest
 
 import bpe as bpe_module
 from bpe import BPE, SPLIT_PATTERN
-from cli import run_cli
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = ("holmes.pt", "holmes.csv", "tokenizer.json")
-
-TEXT = (
-    "It is a capital mistake to theorize before one has data. Insensibly one begins "
-    "to twist facts to suit theories, instead of theories to suit facts. "
-    "You see, but you do not observe. The distinction is clear. I'll, we've, they're 42 times!\n\n"
-) * 3
-
+from conftest import INPUTS, ROOT, TEXT, assert_refused, run_main, sha256, special_input
 
 def naive_train(text, n_merges):
     """Part 1 trained the slow way: recount every pair for every merge."""
@@ -205,40 +193,6 @@ def test_hostile_tokenizer_files_are_refused_with_a_reason(tmp_path, content, me
         BPE.load(path)
 
 
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-@pytest.fixture
-def shipped_unchanged():
-    """Fails the test if it changed any shipped file (holmes.pt, holmes.csv, tokenizer.json) by a byte."""
-    before = {name: sha256(os.path.join(ROOT, name)) for name in SHIPPED}
-    yield
-    assert {name: sha256(os.path.join(ROOT, name)) for name in SHIPPED} == before
-
-
-def run_main(main, argv, monkeypatch, capsys):
-    """A script run in-process through run_cli: (exit status, stdout, stderr as a real run shows them)."""
-    monkeypatch.setattr(sys, "argv", [str(a) for a in argv])
-    handler = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; the test process keeps pytest's
-    try:
-        run_cli(main)
-        status, message = 0, ""
-    except SystemExit as e:  # sys.exit(message) prints the message and exits 1 in a real process
-        status, message = (1, f"{e.code}\n") if isinstance(e.code, str) else (e.code or 0, "")
-    finally:
-        signal.signal(signal.SIGTERM, handler)
-    out, err = capsys.readouterr()
-    return status, out, err + message
-
-
-def assert_refused(run, message):
-    status, out, err = run
-    assert status == 1 and "Traceback" not in err, err
-    assert len(err.strip().splitlines()) == 1 and message in err, err
-
-
 def train_bpe(tmp_path, corpus, *args, monkeypatch, capsys):
     """bpe.py in-process on `corpus` (bytes, or a path as it is), writing tmp_path/tok.json unless told."""
     if isinstance(corpus, bytes):
@@ -325,27 +279,6 @@ def test_an_empty_corpus_is_refused_before_writing(tmp_path, vocab, monkeypatch,
     run = train_bpe(tmp_path, b"", "--vocab", vocab, "--force", monkeypatch=monkeypatch, capsys=capsys)
     assert_refused(run, "corpus.txt is empty; give a text to train on")
     assert sha256(tmp_path / "tok.json") == before
-
-
-def special_input(tmp_path, kind):
-    """A path that is not a readable regular file of sensible size."""
-    path = tmp_path / kind
-    if kind == "fifo":
-        os.mkfifo(path)  # opening it would block until a writer comes
-    elif kind == "folder":
-        path.mkdir()
-    elif kind == "link-to-dev-zero":
-        path.symlink_to("/dev/zero")  # reading it would never end
-    elif kind == "too-big":
-        path.write_bytes(b"x" * 2000)
-    return "/dev/zero" if kind == "dev-zero" else path
-
-
-INPUTS = [
-    ("dev-zero", "/dev/zero is not a regular file"), ("link-to-dev-zero", "link-to-dev-zero is not a regular file"),
-    ("fifo", "fifo is not a regular file (a pipe or a device?)"), ("folder", "folder is a folder; give a file"),
-    ("missing", "missing not found"), ("too-big", "too-big is 0 MiB, more than the 0 MiB"),
-]
 
 
 @pytest.mark.parametrize("kind, message", INPUTS)

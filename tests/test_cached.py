@@ -1,7 +1,7 @@
 """cached.py: the KV cache changes nothing while the uncached loop sees the whole text, and each gotcha breaks it."""
+import importlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -10,9 +10,10 @@ import torch
 import cached
 import model as model_py
 from bpe import BPE
-from cached import CachedGPT, LayerCache, TrimAfter, drift, exact_tokens, load
+from cached import CachedGPT, LayerCache, TrimAfter, exact_tokens, load
 from cli import run_cli
 from checks import save_checkpoint
+from conftest import PART3_CONFIG, ROOT, assert_refused, part3_state_dict, run_main
 from model import GPT, Config, rope_at
 from prefill_clone import KVCache
 
@@ -149,17 +150,17 @@ def test_the_posts_order_attends_context_plus_1_keys_past_the_window(random_mode
 
 
 @pytest.mark.parametrize("name", ["rope", "mask"])
-def test_each_gotcha_drifts_within_the_readmes_bound_of_10_tokens(shipped, name):
-    model = load("holmes.pt")
-    prompt = torch.tensor([[346, 739, 308]])
-    diff = drift(model, prompt, name)
-    assert diff is not None and diff <= 10
+def test_each_gotcha_prints_the_drift_the_readme_shows(name, monkeypatch, capsys):
+    status, out, err = run_main(cached.main, ["cached.py", "--break", name], monkeypatch, capsys)
+    with open(os.path.join(ROOT, "README.md")) as f:
+        shown = f.read().split(f"$ python cached.py --break {name}\n")[1].splitlines()[:2]
+    assert status == 0, err
+    assert out.splitlines() == [line.strip() for line in shown]
 
 
 def test_bad_counts_and_names_are_refused(monkeypatch):
-    run = subprocess.run([sys.executable, "cached.py", "--break", "cache"], capture_output=True, text=True)
-    assert run.returncode == 1
-    assert run.stderr.strip() == "cached.py: error: --break must be one of ['mask', 'rope'], got 'cache'"
+    assert one_line_exit(monkeypatch, "cached.py", "--break", "cache") == (
+        "cached.py: error: --break must be one of ['mask', 'rope'], got 'cache'")
     assert "prompt is empty" in one_line_exit(monkeypatch, "cached.py", "--prompt", "")
     assert "unknown device 'tpu'" in one_line_exit(monkeypatch, "cached.py", "--device", "tpu")
     if not torch.cuda.is_available():
@@ -167,30 +168,30 @@ def test_bad_counts_and_names_are_refused(monkeypatch):
     assert "--tokens must be a whole number >= 0, got -5" in one_line_exit(monkeypatch, "cached.py", "--tokens", "-5")
 
 
-def test_cli_states_the_real_count_for_a_prompt_longer_than_the_context(tmp_path, random_model):
+def test_cli_states_the_real_count_for_a_prompt_longer_than_the_context(tmp_path, random_model, monkeypatch,
+                                                                      capsys):
     checkpoint = tmp_path / "small.pt"
     save_checkpoint(random_model, checkpoint, step=0)
     vocab = tmp_path / "tok.json"
     vocab.write_text('{"merges": ' + str([[97, 97]] * 256) + '}')
-    run = subprocess.run([sys.executable, "cached.py", str(checkpoint), "--tokenizer", str(vocab),
-                          "--prompt", "x" * 40, "--tokens", "20"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert "the first 1 generated tokens are identical" in run.stdout
+    status, out, err = run_main(cached.main, ["cached.py", checkpoint, "--tokenizer", vocab, "--prompt", "x" * 40,
+                                              "--tokens", "20"], monkeypatch, capsys)
+    assert status == 0, err
+    assert "the first 1 generated tokens are identical" in out
 
 
 @pytest.mark.parametrize("script", ["cached.py", "sample_grid.py", "prefill_clone.py"])
-def test_a_tokenizer_larger_than_the_model_is_named(script, tmp_path, random_model):
+def test_a_tokenizer_larger_than_the_model_is_named(script, tmp_path, random_model, monkeypatch, capsys):
     checkpoint = tmp_path / "small.pt"
     save_checkpoint(random_model, checkpoint, step=0)
-    run = subprocess.run([sys.executable, script, str(checkpoint), *(["--prompt"] if script == "cached.py" else []),
-                          "Sherlock Holmes"], capture_output=True, text=True)
-    assert run.returncode != 0
-    assert "tokenizer.json" in run.stderr and "512" in run.stderr and "4096" in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1
+    main = importlib.import_module(script.removesuffix(".py")).main
+    run = run_main(main, [script, checkpoint, *(["--prompt"] if script == "cached.py" else []), "Sherlock Holmes"],
+                   monkeypatch, capsys)
+    assert_refused(run, "tokenizer.json")
+    assert "512" in run[2] and "4096" in run[2]
 
 
 def hostile_checkpoint(path, kind):
-    from test_model import PART3_CONFIG, part3_state_dict
     sd, cfg = part3_state_dict(PART3_CONFIG), dict(PART3_CONFIG)
     if kind == "nan weight":
         sd["blocks.0.attn.qkv.weight"][0, 0] = float("nan")

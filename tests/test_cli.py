@@ -21,14 +21,12 @@ import bpe as bpe_module
 import cached
 import checks
 import cli
-import test_train
 import train as train_module
 from bpe import BPE
 from cli import atomic_write, check_input, check_output, run_cli, show_progress
-from test_bpe import TEXT, assert_refused, run_main, shipped_unchanged  # noqa: F401
-from test_train import finished  # noqa: F401
+from conftest import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, run_main, small_and_fast,
+                      train)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def sha(path):
@@ -359,10 +357,10 @@ def run_writer(script, tmp_path, *flags, monkeypatch, capsys, during=lambda: Non
     monkeypatch.chdir(tmp_path)
     if script == "train.py":
         if ids_from and not (tmp_path / "data").exists():
-            test_train.copy_run(ids_from, tmp_path, ["data"])
+            copy_run(ids_from, tmp_path, ["data"])
         real_evaluate = train_module.evaluate
         monkeypatch.setattr(train_module, "evaluate", lambda *args: (during(), real_evaluate(*args))[1])
-        return test_train.train(tmp_path, *test_train.TINY, *flags, monkeypatch=monkeypatch, capsys=capsys)
+        return train(tmp_path, *TINY, *flags, monkeypatch=monkeypatch, capsys=capsys)
     if script == "bpe.py":
         (tmp_path / "corpus.txt").write_text(TEXT)
         real_train = BPE.train
@@ -441,17 +439,17 @@ def raise_(error):
         "train-tokenizer-as-checkpoint"])
 def test_force_never_overwrites_the_scripts_own_input(script, args, victim, tmp_path, monkeypatch, capsys,
                                                       shipped_unchanged):
-    corpus = test_train.CORPUS if script == "train.py" else TEXT
+    corpus = CORPUS if script == "train.py" else TEXT
     (tmp_path / "corpus.txt").write_text(corpus)
-    shutil.copy(test_train.TOKENIZER, tmp_path / "run.pt")
+    shutil.copy(TOKENIZER, tmp_path / "run.pt")
     (tmp_path / "run.csv").write_text(corpus)
     os.link(tmp_path / "corpus.txt", tmp_path / "hard-link.txt")
     (tmp_path / "link.txt").symlink_to("corpus.txt")
     before = {name: state(tmp_path / name) for name in os.listdir(tmp_path)}
     monkeypatch.chdir(tmp_path)
     if script == "train.py":
-        test_train.small_and_fast(monkeypatch)
-        args = [*args, *test_train.TINY] + ([] if "--tokenizer" in args else ["--tokenizer", test_train.TOKENIZER])
+        small_and_fast(monkeypatch)
+        args = [*args, *TINY] + ([] if "--tokenizer" in args else ["--tokenizer", TOKENIZER])
     main = train_module.main if script == "train.py" else bpe_module.main
     run = run_main(main, [script, *args, "--force"], monkeypatch, capsys)
     assert_refused(run, "which this run reads; give another name")
@@ -493,8 +491,8 @@ def test_a_full_disk_or_a_file_size_limit_is_one_line_and_leaves_the_old_file(
     if not os.path.exists("/dev/full") and limit == "full disk":
         pytest.skip("no /dev/full here")
     if script == "train.py":
-        kept = [n for n in ("corpus.txt", *test_train.RUN_FILES, "data") if (finished / n).exists()]  # no resume file
-        test_train.copy_run(finished, tmp_path, [n for n in kept if n != "data" or victim != "data"])
+        kept = [n for n in ("corpus.txt", *RUN_FILES, "data") if (finished / n).exists()]  # no resume file
+        copy_run(finished, tmp_path, [n for n in kept if n != "data" or victim != "data"])
     else:
         (tmp_path / OUTPUT[script]).write_text('{"an": "earlier file"}')
     before = {name: state(tmp_path / name) for name in os.listdir(tmp_path)}

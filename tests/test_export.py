@@ -14,28 +14,16 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from test_model import PART3_CONFIG, part3_state_dict
+from conftest import ODD_TEXTS, PART3_CONFIG, part3_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import export
 from bpe import BPE
 from cached import CachedGPT, load
-from export import SAMPLE, load_folder, rope_layout, write_folder
+from export import load_folder, rope_layout, write_folder
 from cli import run_cli
 from checks import save_checkpoint
 from model import Config
-
-ODD_TEXTS = [
-    SAMPLE,
-    "Crème brûlée à la façon de Zoë, señor Müller",
-    "東京で会いましょう。北京欢迎你。서울",
-    "Thumbs 👍🏽 family 👨‍👩‍👧‍👦 flags 🇬🇧 heart ❤️",
-    "e\u0301 combining a\u0308\u0304 marks and Z\u0351\u0364lgo",
-    "  two  spaces,   three,\n\n\nnewlines\t\ttabs \r\n end   ",
-    "I'll, you've, she's, they're, we'd, I'm, can't, DON'T, o'clock",
-    "Numbers 1895, 3.14159, 221B Baker Street; $5 & 10% off!?",
-]
-
 
 def small_bpe(vocab_size):
     """A tokenizer of exactly vocab_size tokens, trained on text like the corpus."""

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 import torch
-from test_export import ODD_TEXTS
+from conftest import ODD_TEXTS
 
 import export
 import serve

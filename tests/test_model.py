@@ -1,8 +1,6 @@
 """model.py is Part 3's GPT: its keys, its numbers, its checkpoints, its errors."""
 import math
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,37 +8,12 @@ import torch.nn.functional as F
 
 from dataclasses import dataclass
 
+import cached
 import model
 from cli import device_from
 from checks import load_checkpoint, parameter_count, save_checkpoint
 from model import GPT, Config, check_finite
-from test_bpe import assert_refused, run_main
-
-PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}
-
-
-def part3_state_dict(cfg, seed=0):
-    """Random weights under Part 3's key names, built without model.py."""
-    g = torch.Generator().manual_seed(seed)
-    d, V = cfg["d_model"], cfg["vocab_size"]
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.05
-
-    sd = {"emb.weight": w(V, d)}
-    for i in range(cfg["n_layers"]):
-        p = f"blocks.{i}."
-        sd.update({
-            p + "norm1.weight": 1 + w(d), p + "norm1.bias": w(d),
-            p + "attn.qkv.weight": w(3 * d, d), p + "attn.out.weight": w(d, d),
-            p + "norm2.weight": 1 + w(d), p + "norm2.bias": w(d),
-            p + "mlp.0.weight": w(4 * d, d), p + "mlp.0.bias": w(4 * d),
-            p + "mlp.2.weight": w(d, 4 * d), p + "mlp.2.bias": w(d),
-        })
-    sd["norm.weight"], sd["norm.bias"] = 1 + w(d), w(d)
-    sd["head.weight"] = sd["emb.weight"]
-    return sd
-
+from conftest import PART3_CONFIG, assert_refused, part3_state_dict, run_main
 
 def reference_forward(sd, cfg, idx):
     """The forward pass written out by hand, RoPE as complex rotation, mask as -inf."""
@@ -114,10 +87,10 @@ def test_untrained_loss_is_near_ln_vocab():
     assert abs(loss.item() - math.log(4096)) < 0.15
 
 
-def test_model_py_prints_the_budget():
-    run = subprocess.run([sys.executable, "model.py"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert "5,781,504" in run.stdout
+def test_model_py_prints_the_budget(monkeypatch, capsys):
+    status, out, err = run_main(model.main, ["model.py"], monkeypatch, capsys)
+    assert status == 0, err
+    assert "5,781,504" in out
 
 
 def test_model_py_help_prints_help_without_the_self_check_and_an_unknown_flag_is_one_line(monkeypatch, capsys):
@@ -224,13 +197,12 @@ def test_weights_that_are_not_finite_tensors_are_refused(tmp_path, poison, messa
         load_checkpoint(tmp_path / "p.pt")
 
 
-def test_code_in_a_checkpoint_is_refused_without_torchs_retry_hint(tmp_path):
+def test_code_in_a_checkpoint_is_refused_without_torchs_retry_hint(tmp_path, monkeypatch, capsys):
     path = tmp_path / "evil.pt"
     path.write_bytes(pickle.dumps(Payload()))
-    run = subprocess.run([sys.executable, "cached.py", str(path)], capture_output=True, text=True)
-    assert run.returncode == 1 and "code ran" not in run.stdout
-    assert "holds code or objects that are not plain tensors" in run.stderr
-    assert "weights_only" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    run = run_main(cached.main, ["cached.py", path], monkeypatch, capsys)
+    assert_refused(run, "holds code or objects that are not plain tensors")
+    assert "code ran" not in run[1] and "weights_only" not in run[2]
 
 
 def test_config_without_newer_fields_falls_back_to_defaults(tmp_path):
@@ -298,12 +270,12 @@ def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused(tmp_path):
         load_checkpoint(tmp_path / "k.pt")
 
 
-def test_a_huge_config_in_a_tiny_file_is_one_line_from_a_script_before_anything_is_built(tmp_path):
+def test_a_huge_config_in_a_tiny_file_is_one_line_from_a_script_before_anything_is_built(tmp_path, monkeypatch,
+                                                                                          capsys):
     torch.save({"model": {}, "config": dict(PART3_CONFIG, d_model=65536), "step": 0}, tmp_path / "huge.pt")
     assert (tmp_path / "huge.pt").stat().st_size < 2000
-    run = subprocess.run([sys.executable, "cached.py", str(tmp_path / "huge.pt")], capture_output=True, text=True)
-    assert run.returncode == 1 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
-    assert "the model its config describes" in run.stderr
+    assert_refused(run_main(cached.main, ["cached.py", tmp_path / "huge.pt"], monkeypatch, capsys),
+                   "the model its config describes")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 LINK = re.compile(r"\[([\w/.-]+\.py):(\d+)\]\(([\w/.-]+\.py)#L(\d+)\)( \(`([^`]+)`\))?")
 NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 

@@ -2,9 +2,12 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
+import sample_grid
 from bpe import BPE
+from conftest import run_main
 from cached import load
 from prefill_clone import Engine
 from sample_grid import SETTINGS, grid
@@ -34,25 +37,18 @@ def test_settings_really_differ_and_greedy_is_cached_py_greedy():
     assert rows["greedy"] == model.generate_cached(torch.tensor([tokens]), 40)[0, len(tokens):].tolist()
 
 
-def test_bad_arguments_get_one_line():
-    run = subprocess.run([sys.executable, "sample_grid.py", "holmes.pt", ""], capture_output=True, text=True)
-    assert run.returncode != 0
-    assert run.stderr.strip() == "sample_grid.py: error: the prompt is empty; give at least one character"
-    run = subprocess.run([sys.executable, "sample_grid.py", "--tokens", "-3"], capture_output=True, text=True)
-    assert run.returncode != 0 and "--tokens must be a whole number >= 0, got -3" in run.stderr
-    run = subprocess.run([sys.executable, "sample_grid.py", "missing.pt"], capture_output=True, text=True)
-    assert run.returncode != 0
-    assert run.stderr.strip().startswith("sample_grid.py: error: checkpoint missing.pt not found")
-
-
-def test_compile_and_dtype_flags_are_checked_before_the_checkpoint_is_read():
-    run = subprocess.run([sys.executable, "sample_grid.py", "missing.pt", "--dtype", "float16"],
-                         capture_output=True, text=True)
-    assert run.returncode == 1
-    assert run.stderr.strip() == "sample_grid.py: error: float16 runs only on CUDA here; on the CPU use bfloat16"
-    run = subprocess.run([sys.executable, "sample_grid.py", "--dtype", "half"], capture_output=True, text=True)
-    assert run.returncode != 0 and "argument --dtype: invalid choice: 'half'" in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1
+@pytest.mark.parametrize("args, message", [
+    (["holmes.pt", ""], "sample_grid.py: error: the prompt is empty; give at least one character"),
+    (["--tokens", "-3"], "--tokens must be a whole number >= 0, got -3"),
+    (["missing.pt"], "sample_grid.py: error: checkpoint missing.pt not found"),
+    # the speed flags are checked before the checkpoint is read
+    (["missing.pt", "--dtype", "float16"], "sample_grid.py: error: float16 runs only on CUDA here; on the CPU use bfloat16"),
+    (["--dtype", "half"], "argument --dtype: invalid choice: 'half'"),
+])
+def test_bad_arguments_get_one_line(args, message, monkeypatch, capsys):
+    status, out, err = run_main(sample_grid.main, ["sample_grid.py", *args], monkeypatch, capsys)
+    assert status != 0 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and message in err
 
 
 def test_the_grid_in_bf16_gives_eight_rows_and_greedy_starts_as_float32_does():

@@ -1,23 +1,20 @@
 """sampling.py: the knobs do what reference.md says, in its order, reproducibly; checks.py refuses what
 pick would have to guess at."""
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import sampling
 from checks import check_knobs, check_pick
 from sampling import pick
-from test_bpe import assert_refused, run_main
+from conftest import assert_refused, run_main
 
 G = torch.Generator
 
 
-def test_self_check_runs_from_the_command_line():
-    run = subprocess.run([sys.executable, "sampling.py"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert "self-check passed" in run.stdout
+def test_self_check_runs_from_the_command_line(monkeypatch, capsys):
+    status, out, err = run_main(sampling.main, ["sampling.py"], monkeypatch, capsys)
+    assert status == 0, err
+    assert "self-check passed" in out
 
 
 def test_help_prints_help_without_the_self_check_and_an_unknown_flag_is_one_line(monkeypatch, capsys):

@@ -1,10 +1,8 @@
 """train.py follows Part 3's recipe, writes Part 3 checkpoints and resumes a cut-short run, or refuses in one line."""
 import csv
-import functools
 import math
 import os
 import re
-import shutil
 import signal
 import time
 
@@ -16,55 +14,13 @@ import train as train_module
 from bpe import BPE
 from cli import check_output
 from checks import load_checkpoint
-from model import GPT, Config
-from test_bpe import INPUTS, ROOT, assert_refused, run_main, sha256, shipped_unchanged, special_input  # noqa: F401
+from model import GPT
+from conftest import (CORPUS, INPUTS, ROOT, RUN_FILES, TINY, TOKENIZER, assert_refused, copy_run, in_process, run_main,
+                      sha256, small_and_fast, special_input, train)
 from train import lr_at
-
-TOKENIZER = os.path.join(ROOT, "tokenizer.json")
-CORPUS = "The game is afoot, Watson! Come, the hansom waits. " * 400
-TINY = ["--steps", "1", "--eval-batches", "1"]
-RUN_FILES = ("run.pt", "run.csv", "run.resume.pt")
-
-
-def small_and_fast(monkeypatch):
-    """A 2-layer, 64-wide model on batches of two 64-token windows: a step takes milliseconds where
-    Part 3's takes seconds on a shared CPU. The recipe and every file are otherwise the same."""
-    monkeypatch.setattr(train_module, "Config", functools.partial(Config, d_model=64, n_heads=2, n_layers=2,
-                                                                  context=64))
-    monkeypatch.setattr(train_module, "BATCH", 2)
-
-
-def train(tmp_path, *args, monkeypatch, capsys):
-    """train.py in-process in tmp_path, on its corpus.txt (CORPUS unless there is one) and the shipped
-    tokenizer, writing run.*; a small model and no progress line."""
-    monkeypatch.chdir(tmp_path)
-    small_and_fast(monkeypatch)
-    monkeypatch.setattr(train_module, "show_progress", lambda *args, **kwargs: None)
-    if not (tmp_path / "corpus.txt").exists():
-        (tmp_path / "corpus.txt").write_text(CORPUS)
-    argv = ["train.py", "--corpus", "corpus.txt", "--tokenizer", TOKENIZER, "--out", "run", *args]
-    return run_main(train_module.main, argv, monkeypatch, capsys)
-
-
-def in_process(path, *args):
-    """train.main in `path` with a small model, for module fixtures (no monkeypatch fixture there)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(path)
-        small_and_fast(mp)
-        mp.setattr("sys.argv", ["train.py", "--corpus", "corpus.txt", "--tokenizer", TOKENIZER, *args])
-        (path / "corpus.txt").write_text(CORPUS)
-        train_module.main()
-    return path
-
 
 class Killed(BaseException):
     """kill -9: nothing after it runs (not even run_cli's handling)."""
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 1-step run to copy: corpus.txt, data/ (its ids), run.pt, run.csv."""
-    return in_process(tmp_path_factory.mktemp("finished"), "--out", "run", *TINY)
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +41,6 @@ def uncut(tmp_path_factory):
     """A 2-step run evaluated after each step: what a cut and resumed run must end as."""
     return in_process(tmp_path_factory.mktemp("uncut"), "--out", "run", "--steps", "2", "--eval-every", "1",
                       "--eval-batches", "1")
-
-
-def copy_run(source, tmp_path, files=("corpus.txt", "data", *RUN_FILES)):
-    for name in files:
-        if os.path.isdir(source / name):
-            shutil.copytree(source / name, tmp_path / name)
-        else:
-            shutil.copy(source / name, tmp_path / name)
 
 
 def leftovers(tmp_path):

@@ -1,13 +1,13 @@
 """A KV cache for the Part 3 GPT, added without retraining, and its proof.
 
-The prompt pass (the post's prefill) runs the whole prompt once and keeps
-each layer's keys and values; every later step feeds one token at its true
-position and attends to the kept keys. Two details make it exact: RoPE starts at the token's position
-(rope_at), and the causal mask applies only when more than one query is fed
-(with one query, SDPA's top-left-aligned mask would hide all keys but the first).
-The forward asks a cache object where the new keys go and what to read:
-LayerCache here (concatenate, keep the last `context`), KVCache in
-prefill_clone.py (preallocated, a ring past the window). The post's plain
+The prompt pass (the post's prefill) runs the whole prompt once and keeps each
+layer's keys and values; every later step feeds one token at its true position
+and attends to the kept keys. Two details make it exact: RoPE starts at the
+token's position (rope_at), and the causal mask applies only when more than
+one query is fed (with one query, SDPA's top-left-aligned mask would hide all
+keys but the first). The forward asks a cache object where the new keys go and
+what to read: LayerCache here (concatenate, keep the last `context`), KVCache
+in prefill_clone.py (preallocated, a ring past the window). The post's plain
 dict per layer works too (`caches = [{} for _ in model.blocks]`): it is
 wrapped in PostCache, which keeps "k" and "v" in the dict in the post's order.
 

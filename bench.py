@@ -33,7 +33,9 @@ A figure near 100% cannot get much faster; one at 20% can.
    the post's bench.py does, each beside its sum (docs/bench.md: how well
    they agree).
 1. Cache memory measured from the tensors against the formula, grouped-query too.
-2. Time to first token: N separate runs of the prompt against one plus a copy.
+2. N rows from one prompt: N separate prompt passes against one pass copied into the
+   N rows (prefill_clone's clone), both through one Engine; time to the first token
+   and in all, and both must give the same tokens.
 3. The decode step's matrix multiply: every exact kernel in kernels.py timed
    here, the one the Engine chose, and a whole step with it and with nn.Linear;
    on the CPU, the step compiled as kernels.COMPILE_OPTIONS sets it, with the graph
@@ -53,6 +55,7 @@ import os
 import platform
 import time
 from bisect import bisect_left
+from functools import partial
 
 # before torch: cli.startup_failure makes a failing import one line
 from cli import Parser, atomic_write, check_output, device_from, free_memory, run_cli, show_progress
@@ -60,13 +63,14 @@ from cli import Parser, atomic_write, check_output, device_from, free_memory, ru
 import torch
 
 from cached import CachedGPT, LayerCache, first_difference, load
+from checks import cache_bytes
 from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, FastEngine, check_compiler, choose, sync, with_kernel
 from model import Config
-from prefill_clone import cache_bytes, clone_prompt, prompt_per_row, run_prompt, timed_generation
+from prefill_clone import clone_prompt, run_prompt
 
-FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), steps=50, drift=256,
-            wrappers=True)
-QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), steps=5, drift=16,
+FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), clone_tokens=60,
+            steps=50, drift=256, wrappers=True)
+QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), clone_tokens=4, steps=5, drift=16,
              wrappers=False)  # not the three extra compiles (up to half a minute each) of table 3's compiled line
 CHECKPOINT = "holmes.pt"  # the shipped weights, for the bf16 drift
 TABLES = "0123456"
@@ -394,18 +398,73 @@ def table_memory(device, out):
         print(f"  {name:<28} measured {cache.nbytes() / 2**20:.2f} MiB, formula {formula / 2**20:.2f} MiB")
 
 
-def table_prefill(model, device, sizes, runs, out):
-    print("\n2. time to first token: N separate prefills against one prefill + copy (ms, median)")
-    print(f"{'prompt':>6} {'N':>3} {'separate':>10} {'clone':>10} {'speedup':>8}")
-    gen = torch.Generator().manual_seed(1)
+def prompt_per_row(model, prompt, cache):
+    """The naive way the clone is timed against: each row of `cache` runs the same prompt itself."""
+    T = prompt.shape[1]
+    for i in range(cache.shape["batch"]):
+        logits, one = run_prompt(model, prompt, T)
+        cache.k[:, i, :T], cache.v[:, i, :T] = one.k[:, 0], one.v[:, 0]
+    cache.cache_seqlens.fill_(T)
+    return logits.expand(cache.shape["batch"], -1)
+
+
+FILLS = {"separate": prompt_per_row, "clone": clone_prompt}  # the Engine's two ways to give N rows the prompt
+
+
+def timed_generation(engine, tokens, n, n_tokens, progress=None, **kwargs):
+    """(time to first token, total time, rows) for Engine.generate run to the end."""
+    device = engine.model.emb.weight.device
+    sync(device)
+    t0, started = time.perf_counter(), time.time()
+    rows, ttft = [[] for _ in range(n)], None
+    for step, (column, _) in enumerate(engine.generate(tokens, n, max_tokens=n_tokens, **kwargs), 1):
+        ttft = ttft or time.perf_counter() - t0
+        if progress:
+            show_progress(progress, step, n_tokens, started)
+        for row, token in zip(rows, column):
+            row.append(token)
+    sync(device)
+    return ttft, time.perf_counter() - t0, rows
+
+
+def fills_side_by_side(engine, tokens, n, n_tokens, runs, device, label="", **kwargs):
+    """{fill: (median time to first token, median total)} of FILLS through one engine, so through one decode
+    step, timed in turns as timings() does; every run of both must give the same tokens."""
+    firsts, rows = {name: [] for name in FILLS}, []
+
+    def run(name, warm_up=False):
+        engine.fill = FILLS[name]
+        ttft, total, got = timed_generation(engine, tokens, n, n_tokens, **kwargs)
+        if not warm_up:
+            firsts[name].append(ttft)
+        rows.append(got)
+        return total
+    totals = timings({name: partial(run, name) for name in FILLS}, runs, device,
+                     warmups={name: partial(run, name, warm_up=True) for name in FILLS}, label=label)
+    if any(got != rows[0] for got in rows):
+        raise SystemExit("bench.py: error: the two ways of filling the rows gave different tokens")
+    return {name: (median(firsts[name]), median(totals[name])) for name in FILLS}
+
+
+def table_clone(model, device, sizes, runs, out):
+    n_tokens = sizes["clone_tokens"]
+    print(f"\n2. N rows of {n_tokens} greedy tokens from one prompt: N separate prompt passes against one pass")
+    print("   copied into the N rows (prefill_clone.clone_prompt), through one Engine, so through the same decode")
+    print("   step, in turns (the same tokens from both); time to the first token (ms) and in all (s), median")
+    print(f"{'prompt':>6} {'N':>3} {'first: separate':>16} {'clone':>8} {'speedup':>8} "
+          f"{'all: separate':>14} {'clone':>7} {'speedup':>8}")
+    engine, gen = FastEngine(model), torch.Generator().manual_seed(1)
     for n_prompt in sizes["prompts"]:
         prompt = torch.randint(model.cfg.vocab_size, (n_prompt,), generator=gen).tolist()
         for n in sizes["clones"]:
-            sep, clone = (t for t, _ in measure(
-                {fill: lambda fill=fill: timed_generation(FastEngine(model, fill=fill), prompt, n, 1, temperature=0)
-                 for fill in (prompt_per_row, clone_prompt)}, runs, device).values())
-            out.append({"prompt": n_prompt, "n": n, "separate_ms": sep * 1e3, "clone_ms": clone * 1e3})
-            print(f"{n_prompt:>6} {n:>3} {sep * 1e3:>10.1f} {clone * 1e3:>10.1f} {sep / clone:>7.1f}x", flush=True)
+            timed = fills_side_by_side(engine, prompt, n, n_tokens, runs, device, f"prompt {n_prompt}, N {n}:",
+                                       temperature=0)
+            (sep_first, sep_all), (clone_first, clone_all) = timed["separate"], timed["clone"]
+            out.append({"prompt": n_prompt, "n": n, "tokens": n_tokens, "separate_ms": sep_first * 1e3,
+                        "clone_ms": clone_first * 1e3, "separate_s": sep_all, "clone_s": clone_all})
+            print(f"{n_prompt:>6} {n:>3} {sep_first * 1e3:>13.1f} ms {clone_first * 1e3:>5.1f} ms "
+                  f"{sep_first / clone_first:>7.1f}x {sep_all:>12.2f} s {clone_all:>5.2f} s "
+                  f"{sep_all / clone_all:>7.2f}x", flush=True)
 
 
 def decode_fixture(model, batch, device):
@@ -640,7 +699,7 @@ def main():
     if "1" in tables:
         table_memory(device, report["memory"])
     if "2" in tables:
-        table_prefill(model, device, sizes, args.runs, report["prefill_clone"])
+        table_clone(model, device, sizes, args.runs, report["prefill_clone"])
     if "3" in tables:
         table_kernels(model, device, sizes, args.runs, report["kernels"])
     if "4" in tables:

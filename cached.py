@@ -1,13 +1,13 @@
 """A KV cache for the Part 3 GPT, added without retraining, and its proof.
 
-Prefill runs the whole prompt once and keeps each layer's keys and values;
-every later step feeds one token at its true position and attends to the
-kept keys. Two details make it exact: RoPE starts at the token's position
-(rope_at), and the causal mask applies only when more than one query is fed
-(with one query, SDPA's top-left-aligned mask would hide all keys but the first).
-The forward asks a cache object where the new keys go and what to read:
-LayerCache here (concatenate, keep the last `context`), KVCache in
-prefill_clone.py (preallocated, a ring past the window). The post's plain
+The prompt pass (the post's prefill) runs the whole prompt once and keeps each
+layer's keys and values; every later step feeds one token at its true position
+and attends to the kept keys. Two details make it exact: RoPE starts at the
+token's position (rope_at), and the causal mask applies only when more than
+one query is fed (with one query, SDPA's top-left-aligned mask would hide all
+keys but the first). The forward asks a cache object where the new keys go and
+what to read: LayerCache here (concatenate, keep the last `context`), KVCache
+in prefill_clone.py (preallocated, a ring past the window). The post's plain
 dict per layer works too (`caches = [{} for _ in model.blocks]`): it is
 wrapped in PostCache, which keeps "k" and "v" in the dict in the post's order.
 
@@ -27,7 +27,7 @@ import sys
 import time
 
 # before torch: cli.startup_failure makes a failing import one line
-from cli import Parser, check_count, run_cli, show_progress
+from cli import Parser, check_count, run_cli, with_progress
 
 import torch
 
@@ -47,7 +47,7 @@ class LayerCache:
         if self.k is None:
             return k, v
         if k.shape[2] > 1:
-            raise ValueError("after the prefill, feed one token per step")
+            raise ValueError("after the prompt pass, feed one token per step")
         return torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
 
     def update(self, k, v, start):
@@ -119,7 +119,7 @@ class AlwaysCausal(CachedAttention):
         return super().attend(q, k, v, True, attn_mask)
 
 
-BROKEN = {"rope": RopeFromZero, "mask": AlwaysCausal}
+GOTCHAS = {"rope": RopeFromZero, "mask": AlwaysCausal}  # --break NAME
 
 
 class CachedBlock(Block):
@@ -159,16 +159,10 @@ def load(path, device="cpu"):
     return load_checkpoint(path, device, cls=CachedGPT)
 
 
-def broken_attention(name):
-    if name not in BROKEN:
-        raise ValueError(f"--break must be one of {sorted(BROKEN)}, got {name!r}")
-    return BROKEN[name]
-
-
 def break_on_purpose(model, name):
     """Swap every layer's attention for a broken variant (same weights, no new ones)."""
     for block in model.blocks:
-        block.attn.__class__ = broken_attention(name)
+        block.attn.__class__ = GOTCHAS[name]
     return model
 
 
@@ -189,21 +183,9 @@ def load_pair(checkpoint, tokenizer_path, device="cpu"):
     return model, tokenizer_for(model, checkpoint, tokenizer_path)
 
 
-def with_progress(pick, n_tokens, label):
-    """pick, updating a progress line on stderr each time a token is picked."""
-    started, done = time.time(), 0
-
-    def counted(logits, idx):
-        nonlocal done
-        done += 1
-        show_progress(f"{label} tokens", done, n_tokens, started)
-        return pick(logits, idx)
-    return counted
-
-
 def timed(generate, prompt, n_tokens, label):
     t0 = time.time()
-    tokens = generate(prompt, n_tokens, with_progress(greedy, n_tokens, label))[0].tolist()
+    tokens = generate(prompt, n_tokens, with_progress(greedy, n_tokens, f"{label} tokens"))[0].tolist()
     seconds = time.time() - t0
     print(f"{label + ':':<10}{n_tokens} tokens in {seconds:5.1f}s ({n_tokens / seconds:,.0f} tok/s)")
     return tokens
@@ -247,8 +229,8 @@ def main():
     ap.add_argument("--break", dest="broken", metavar="rope|mask", help="reproduce a gotcha on purpose")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    if args.broken is not None:
-        broken_attention(args.broken)
+    if args.broken not in (None, *GOTCHAS):
+        raise ValueError(f"--break must be one of {sorted(GOTCHAS)}, got {args.broken!r}")
     check_count("--tokens", args.tokens)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     prompt = prompt_ids(tokenizer, args.prompt, model)

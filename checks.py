@@ -260,11 +260,26 @@ def prompt_ids(tokenizer, text, model):
 KNOBS = ["temperature", "top_k", "top_p", "penalty"]
 
 
+def cache_bytes(cfg, batch, tokens, bytes_per_value):
+    """The post's formula, per row: 2 (k and v) x layers x tokens x kv width (d_model, or fewer kv heads) x bytes."""
+    return 2 * cfg.n_layers * batch * tokens * cfg.n_kv_heads * cfg.head_dim * bytes_per_value
+
+
 def check_cache(model, batch, max_len):
     """Refuse, before allocating it, a cache of `batch` rows x max_len positions that memory cannot hold."""
-    cfg, w = model.cfg, model.emb.weight
-    nbytes = 2 * cfg.n_layers * batch * max_len * cfg.n_kv_heads * cfg.head_dim * w.element_size()
+    w = model.emb.weight
+    nbytes = cache_bytes(model.cfg, batch, max_len, w.element_size())
     check_fits(nbytes, f"a cache of {batch} rows x {max_len} positions", w.device)
+
+
+def check_sample_flags(n, seed, tokens):
+    """prefill_clone.py's -n, --seed and --tokens, before any checkpoint is read."""
+    if n < 1:
+        raise ValueError(f"-n must be at least 1, got {n}")
+    if not 0 <= seed < 2**64 - n:
+        raise ValueError(f"--seed must be in 0..{2**64 - 1 - n} (row i uses seed + i), got {seed}")
+    if tokens < 1:
+        raise ValueError(f"--tokens must be at least 1, got {tokens}")
 
 
 def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, knobs):

@@ -404,3 +404,15 @@ def show_progress(label, done, total, started, note=""):
     line = f"{label}: {done:,}/{total:,}{', ' + note if note else ''}, ETA {eta:.0f}s"
     print(f"\r{line[:78]} " if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
     state.update(shown=now, drawn=True)
+
+
+def with_progress(fn, total, label):
+    """fn, showing on stderr how many of its `total` calls have begun (show_progress)."""
+    started, done = time.time(), 0
+
+    def counted(*args):
+        nonlocal done
+        done += 1
+        show_progress(label, done, total, started)
+        return fn(*args)
+    return counted

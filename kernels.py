@@ -40,7 +40,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prefill_clone import Engine, KVCache, clone_prompt, sync
+from prefill_clone import Engine, KVCache, clone_prompt
+
+
+def sync(device):
+    """Wait for the GPU's queued work, so a timing covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 PREPARED = weakref.WeakKeyDictionary()  # layer -> {kernel name: (weight version, reordered weight)}
 
@@ -181,7 +188,7 @@ def exact(kernel, layers, inputs):
 
 
 @torch.inference_mode()
-def measure(layers, batch, rounds=5):
+def time_kernels(layers, batch, rounds=5):
     """{name: seconds for one step's products at `batch` rows, or None if not exact}, every candidate here."""
     w = layers[0].weight
     gen = torch.Generator(w.device).manual_seed(0)
@@ -211,7 +218,7 @@ def choose(model, batch):
     w = layers[0].weight
     key = (batch, w.device, w.dtype, tuple(tuple(layer.weight.shape) for layer in layers))
     if key not in CHOSEN:
-        measured = measure(layers, batch)
+        measured = time_kernels(layers, batch)
         exact_ones = [n for n, t in measured.items() if t is not None]
         # none exact: this model's products overflow (inf or NaN) in every kernel, nn.Linear's own included,
         # and nn.Linear is then what the model itself computes (the measured dict shows none was exact)
@@ -621,7 +628,7 @@ def main():
     device = device_from(args.device)
     model = CachedGPT().to(device).eval()
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    for batch in args.batches:  # measure holds every layer's input rows, and each product's output, at once
+    for batch in args.batches:  # time_kernels holds every layer's input rows, and each product's output, at once
         rows_bytes = batch * sum(layer.in_features + layer.out_features for layer in layers) * 4
         check_fits(rows_bytes, f"--batches {batch} (a step's inputs and outputs)", device)
     for batch in args.batches:

@@ -13,33 +13,25 @@ from outside; this Engine is the lesson.
 
     python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0 [--compile] [--dtype bfloat16]
 
-prints N samples, then time to first token and total time of the clone path
-against N separate runs of the same prompt, measured side by side: one Engine,
-so one decode step (compiled with --compile before anything is timed), each
-path run once untimed, then three runs each in turns.
+prints N samples, then the time to the first token and the tokens a second.
+The clone timed against N separate prompt passes: bench.py --tables 2.
 """
 import operator
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 # before torch: cli.startup_failure makes a failing import one line
-from cli import Parser, as_id, run_cli, show_progress
+from cli import Parser, as_id, run_cli
 
 import torch
 
 from cached import load_pair
-from checks import check_cache, check_knobs, check_request, prompt_ids
+import sampling
+from checks import check_cache, check_knobs, check_request, check_sample_flags, prompt_ids
 from model import check_finite
-from sampling import pick
 
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
                   "under any other name.")
-
-
-def cache_bytes(batch, n_layers, max_len, n_kv_heads, head_dim, dtype=torch.float32):
-    """The post's formula: 2 (k and v) x layers x tokens x kv width x bytes per value, per row."""
-    return 2 * n_layers * batch * max_len * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 class KVCache:
@@ -136,12 +128,6 @@ class LayerView:
         return self.cache.insert_kv(self.layer, k, v, start)
 
 
-def cache_len(model, n_prompt, n_tokens):
-    """nanochat sizes the cache to prompt + max_tokens; past the window it is a ring of `context`."""
-    ctx = model.cfg.context
-    return ctx if n_tokens is None else min(ctx, n_prompt + n_tokens)
-
-
 @torch.inference_mode()
 def run_prompt(model, idx, max_len):
     """Run the prompt idx (B, T) once into a new KVCache of max_len positions; return its logits and the cache."""
@@ -156,16 +142,6 @@ def clone_prompt(model, prompt, cache):
     return logits.expand(cache.shape["batch"], -1)
 
 
-def prompt_per_row(model, prompt, cache):
-    """The naive way, for comparison: each row of `cache` runs the same prompt itself."""
-    T = prompt.shape[1]
-    for i in range(cache.shape["batch"]):
-        logits, one = run_prompt(model, prompt, T)
-        cache.k[:, i, :T], cache.v[:, i, :T] = one.k[:, 0], one.v[:, 0]
-    cache.cache_seqlens.fill_(T)
-    return logits.expand(cache.shape["batch"], -1)
-
-
 @dataclass
 class RowState:
     tokens: list
@@ -177,14 +153,15 @@ class RowState:
 class Engine:
     """Generate N rows from one prompt: one run of the prompt (cloned by default), then one decode step per token.
 
-    fill: how the N rows get the prompt (clone_prompt, or prompt_per_row to compare with)."""
+    fill: how the N rows get the prompt (clone_prompt, or bench.prompt_per_row to compare with)."""
 
     def __init__(self, model, tokenizer=None, fill=clone_prompt):
         self.model, self.tokenizer, self.fill = model, tokenizer, fill
         self.rows, self.busy = [], False
 
     def cache_len(self, n_prompt, max_tokens):
-        return cache_len(self.model, n_prompt, max_tokens)
+        """nanochat sizes the cache to prompt + max_tokens; past the window it is a ring of `context`."""
+        return min(self.model.cfg.context, n_prompt + max_tokens)
 
     def decoder(self, batch, max_len):
         """An empty cache of `batch` rows and the decode step that writes it."""
@@ -214,15 +191,15 @@ class Engine:
             return token in ids or any(t in b"".join(self.tokenizer.vocab[i] for i in new[-len(t):]) for t in texts)
         return stops_at
 
-    def sample(self, logits, history, generators, settings):
+    def pick(self, logits, history, generators, settings):
         """One token per row (B,): the rows that share knobs are picked as one batch, each row drawing
         with its own generator, so each gets what it would alone."""
         tokens = torch.empty(len(settings), dtype=torch.long, device=logits.device)
         for knobs in map(dict, {tuple(sorted(s.items())) for s in settings}):
             rows = [i for i, s in enumerate(settings) if s == knobs]
             at = torch.tensor(rows, device=logits.device)
-            tokens[at] = pick(logits[at], history=None if history is None else history[at],
-                              generator=[generators[i] for i in rows], **knobs)
+            tokens[at] = sampling.pick(logits[at], history=None if history is None else history[at],
+                                       generator=[generators[i] for i in rows], **knobs)
         return tokens
 
     @torch.inference_mode()
@@ -241,9 +218,9 @@ class Engine:
             history = prompt.expand(len(rows), -1) if any(s.get("penalty", 1.0) != 1.0 for s in settings) else None
             pos = prompt.shape[1]
             for n in range(1, max_tokens + 1):
-                sampled = self.sample(check_finite(logits, n - 1), history, generators, settings).tolist()
+                picked = self.pick(check_finite(logits, n - 1), history, generators, settings).tolist()
                 column, masks = [], []
-                for i, (row, token) in enumerate(zip(rows, sampled)):
+                for i, (row, token) in enumerate(zip(rows, picked)):
                     if row.completed:
                         column.append(None)
                         masks.append(None)
@@ -266,16 +243,12 @@ class Engine:
         finally:
             self.busy = False
 
-    def generate_batch(self, tokens, num_samples=1, progress=None, **kwargs):
-        """Run generate to the end; return each row's new tokens and their masks.
-
-        progress: a label, to show a progress line on stderr."""
+    def generate_batch(self, tokens, num_samples=1, **kwargs):
+        """Run generate to the end; return each row's new tokens and their masks."""
         steps = self.generate(tokens, num_samples, **kwargs)  # every input checked before the first step
-        n, started = operator.index(num_samples), time.time()
+        n = operator.index(num_samples)
         results, masks = [[] for _ in range(n)], [[] for _ in range(n)]
-        for step, (column, column_masks) in enumerate(steps, 1):
-            if progress:
-                show_progress(progress, step, kwargs["max_tokens"], started)
+        for column, column_masks in steps:
             for i, (token, mask) in enumerate(zip(column, column_masks)):
                 if token is not None:
                     results[i].append(token)
@@ -283,31 +256,10 @@ class Engine:
         return results, masks
 
 
-def sync(device):
-    """Wait for the GPU's queued work, so a timing covers it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_generation(engine, tokens, n, n_tokens, progress=None, **kwargs):
-    """(time to first token, total time, rows) for Engine.generate run to the end."""
-    device = engine.model.emb.weight.device
-    sync(device)
-    t0, started = time.perf_counter(), time.time()
-    rows, ttft = [[] for _ in range(n)], None
-    for step, (column, _) in enumerate(engine.generate(tokens, n, max_tokens=n_tokens, **kwargs), 1):
-        ttft = ttft or time.perf_counter() - t0
-        if progress:
-            show_progress(progress, step, n_tokens, started)
-        for row, token in zip(rows, column):
-            row.append(token)
-    sync(device)
-    return ttft, time.perf_counter() - t0, rows
-
-
 def main():
-    from kernels import FastEngine, add_speed_flags, speed_flags  # speed, applied from outside the lesson
-    ap = Parser(description="One prefill, N samples: nanochat's prefill-and-clone trick.")
+    from bench import timed_generation  # speed and its measuring, applied from outside the lesson
+    from kernels import FastEngine, add_speed_flags, speed_flags
+    ap = Parser(description="One prompt pass, N samples: nanochat's prefill-and-clone trick.")
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     ap.add_argument("-n", type=int, default=8, help="number of samples")
@@ -319,46 +271,23 @@ def main():
     ap.add_argument("--device", default="cpu")
     add_speed_flags(ap)
     args = ap.parse_args()
-    if args.n < 1:
-        raise ValueError(f"-n must be at least 1, got {args.n}")
-    if not 0 <= args.seed < 2**64 - args.n:
-        raise ValueError(f"--seed must be in 0..{2**64 - 1 - args.n} (row i uses seed + i), got {args.seed}")
-    if args.tokens < 1:
-        raise ValueError(f"--tokens must be at least 1, got {args.tokens}")
+    check_sample_flags(args.n, args.seed, args.tokens)
     knobs = dict(temperature=args.temperature, top_p=args.top_p)
     check_knobs(**knobs)
     speed = speed_flags(args)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = prompt_ids(tokenizer, args.prompt, model)[0].tolist()
-    check_cache(model, args.n, model.cfg.context if args.compile else cache_len(model, len(tokens), args.tokens))
-
-    # one Engine, so both paths run the same decode step; it is compiled, and each path run once, before
-    # anything is timed, and the paths take turns, so a neighbour's load falls on both alike
-    engine, fills = FastEngine(model, tokenizer, **speed), {"clone": clone_prompt, "separate": prompt_per_row}
-    compile_seconds = engine.prepare(args.n)
-    runs = {name: [] for name in fills}
-    for i in range(4):
-        for name, fill in fills.items():
-            engine.fill = fill
-            label = f"{name}, {f'run {i}/3' if i else 'warm-up'}, tokens"
-            runs[name].append(timed_generation(engine, tokens, args.n, args.tokens, label, seed=args.seed, **knobs))
-    runs = {name: timed[1:] for name, timed in runs.items()}
-    rows = runs["clone"][0][2]
+    engine = FastEngine(model, tokenizer, **speed)
+    check_cache(model, args.n, engine.cache_len(len(tokens), args.tokens))  # before prepare allocates it
+    compile_seconds = engine.prepare(args.n)  # first, so that no timing or ETA holds it
+    ttft, seconds, rows = timed_generation(engine, tokens, args.n, args.tokens, "tokens", seed=args.seed, **knobs)
     for i, row in enumerate(rows):
         print(f"--- sample {i} (seed {args.seed + i})")
         print(tokenizer.decode(tokens + row))
-    if any(r[2] != rows for rs in runs.values() for r in rs):
-        raise SystemExit("prefill_clone.py: error: the two ways of filling the rows gave different tokens")
-    (clone_ttft, clone_total), (sep_ttft, sep_total) = (
-        (sorted(r[0] for r in rs)[1], sorted(r[1] for r in rs)[1]) for rs in runs.values())
-    compiled = f"the compiled decode step ready in {compile_seconds:.1f} s, " if args.compile else ""
-    print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens, {args.device}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads; {compiled}each path run once first, then median of 3 taken in "
-          "turns (same decode step and same tokens from both paths):")
-    print(f"{'':24}{'first token':>12}{'total':>10}")
-    print(f"{f'{args.n} separate prefills':24}{sep_ttft * 1e3:>9.1f} ms{sep_total:>8.2f} s")
-    print(f"{'1 prefill + clone':24}{clone_ttft * 1e3:>9.1f} ms{clone_total:>8.2f} s")
-    print(f"{'speedup':24}{sep_ttft / clone_ttft:>11.1f}x{sep_total / clone_total:>9.2f}x")
+    compiled = f"; the compiled decode step ready in {compile_seconds:.1f} s before" if args.compile else ""
+    print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens: first token in "
+          f"{ttft * 1e3:.1f} ms, {args.n * args.tokens / seconds:,.0f} tok/s ({args.device}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads{compiled})")
 
 
 if __name__ == "__main__":

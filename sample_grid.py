@@ -13,7 +13,7 @@ and its time is printed last.
 """
 
 # before torch: cli.startup_failure makes a failing import one line
-from cli import Parser, check_count, run_cli
+from cli import Parser, check_count, run_cli, with_progress
 
 from cached import load_pair
 from checks import prompt_ids
@@ -37,8 +37,10 @@ def grid(model, tokens, n_tokens, seed, progress=None, **engine):
     compile_cache, dtype."""
     engine = FastEngine(model, **engine)
     compile_seconds = engine.prepare(len(SETTINGS))
-    rows, _ = engine.generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, progress=progress,
-                                    seed=[seed] * len(SETTINGS), settings=list(SETTINGS.values()))
+    if progress:  # a token a step for every row: count the Engine's picks
+        engine.pick = with_progress(engine.pick, n_tokens, progress)
+    rows, _ = engine.generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, seed=[seed] * len(SETTINGS),
+                                    settings=list(SETTINGS.values()))
     return dict(zip(SETTINGS, rows)), compile_seconds
 
 

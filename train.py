@@ -197,7 +197,7 @@ def random_states(device):
     return [(torch, "rng")] + ([(torch.cuda, "cuda_rng")] if device.type == "cuda" else [])
 
 
-def check_finite(loss, what, step):
+def check_loss(loss, what, step):
     if not math.isfinite(loss):
         raise ValueError(f"{what} is {loss} at step {step}, so the run stops there; try a smaller --lr")
 
@@ -294,7 +294,7 @@ def main():
             x, y = batch(train_ids, cfg.context, gen, device)
             with autocast():
                 _, loss = model(x, y)
-            check_finite(loss.item(), "the loss", done)
+            check_loss(loss.item(), "the loss", done)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -307,8 +307,8 @@ def main():
             if done % args.eval_every == 0 or done == args.steps:
                 splits = (train_ids, val_ids)
                 train_loss, val_loss = evaluate(model, splits, cfg.context, args.eval_batches, device, autocast)
-                check_finite(train_loss, "the evaluated train loss", done)
-                check_finite(val_loss, "the val loss", done)
+                check_loss(train_loss, "the evaluated train loss", done)
+                check_loss(val_loss, "the val loss", done)
                 total_time = elapsed + time.time() - t0
                 rows.append([done, f"{train_loss:.4f}", f"{val_loss:.4f}", f"{tok_s:.0f}", f"{total_time:.1f}"])
                 write_csv(f"{name}.csv", rows, replace)

@@ -53,8 +53,8 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     assert [r["config"] for r in report["memory"]] == ["Part 3 (4 heads)", "GQA (4 q heads, 1 kv head)"]
     # the post's figures: 2 x 6 x 256 x 256 x 4 bytes = 3.00 MiB; one kv head of four keeps a quarter
     assert [r["measured_bytes"] for r in report["memory"]] == [3 * 2**20, 3 * 2**20 // 4]
-    assert len(report["prefill_clone"]) == 4 and all(set(r) == {"prompt", "n", "separate_ms", "clone_ms"}
-                                                     for r in report["prefill_clone"])
+    clone_keys = {"prompt", "n", "tokens", "separate_ms", "clone_ms", "separate_s", "clone_s"}
+    assert len(report["prefill_clone"]) == 4 and all(set(r) == clone_keys for r in report["prefill_clone"])
     assert [r["batch"] for r in report["kernels"]] == [1, 4]
     for r in report["kernels"]:  # every exact candidate timed, the lone-row ones only for a lone row
         # --quick leaves out the batch-1 step compiled both ways (two more compiles)
@@ -99,7 +99,7 @@ def test_the_default_run_prints_the_posts_table_first_and_runs_no_other_table(mo
 
     def never(*args, **kwargs):
         raise AssertionError("the default run went beyond the post's table")
-    for name in ("engine_forms", "check_compiler", "table_memory", "table_prefill", "table_kernels", "table_decode",
+    for name in ("engine_forms", "check_compiler", "table_memory", "table_clone", "table_kernels", "table_decode",
                  "table_drift", "table_cuda", "table_peers"):
         monkeypatch.setattr(bench, name, never)
     monkeypatch.setattr(torch, "compile", never)
@@ -232,3 +232,39 @@ def test_every_row_of_the_decode_table_has_its_bytes_and_share_of_the_bandwidth_
         # bfloat16 reads half of what float32 does; the uncached loop reads no cache
         assert row["engine_bf16_step_bytes"] == pytest.approx(row["engine_step_bytes"] / 2)
         assert row["no_cache_step_bytes"] < row["cached_step_bytes"] == row["engine_step_bytes"]
+
+
+SMALL = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
+PROMPT = [5, 17, 300, 42, 9]
+
+
+def small_model():
+    from cached import CachedGPT
+    from model import Config
+    torch.manual_seed(0)
+    return CachedGPT(Config(**SMALL)).eval()
+
+
+def test_the_clone_and_a_prompt_per_row_fill_the_same_cache():
+    from prefill_clone import KVCache, clone_prompt
+    model = small_model()
+    a, b = KVCache.for_model(model, 3, 16), KVCache.for_model(model, 3, 16)
+    prompt = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        a_logits, b_logits = clone_prompt(model, prompt, a), bench.prompt_per_row(model, prompt, b)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a_logits, b_logits)
+    assert a.get_pos() == b.get_pos() == len(PROMPT) and a_logits.shape == (3, 512)
+
+
+def test_the_two_fills_side_by_side_give_the_same_rows_or_the_run_stops(monkeypatch):
+    from prefill_clone import Engine
+    model, device = small_model(), torch.device("cpu")
+    timed = bench.fills_side_by_side(Engine(model), PROMPT, 3, 6, 3, device, temperature=0.9, seed=4)
+    assert set(timed) == {"separate", "clone"} and all(len(t) == 2 for t in timed.values())
+
+    def other_rows(model, prompt, cache):  # the clone's cache, but every row's scores pushed to another token
+        logits = bench.clone_prompt(model, prompt, cache)
+        return logits.index_fill(-1, logits.argmax(-1).unique(), -1e4)
+    monkeypatch.setitem(bench.FILLS, "separate", other_rows)
+    with pytest.raises(SystemExit, match="the two ways of filling the rows gave different tokens"):
+        bench.fills_side_by_side(Engine(model), PROMPT, 3, 6, 3, device, temperature=0)

@@ -6,7 +6,7 @@ import kernels
 import sample_grid
 from cached import CachedGPT
 from conftest import assert_refused, run_main
-from kernels import KERNELS, FastEngine, KernelLinear, choose, measure, with_kernel
+from kernels import KERNELS, FastEngine, KernelLinear, choose, time_kernels, with_kernel
 from model import Config
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
@@ -62,7 +62,7 @@ def test_a_fast_kernel_that_is_not_exact_is_never_chosen(monkeypatch):
     monkeypatch.setitem(KERNELS, "wrong", wrong)
     monkeypatch.setattr(kernels, "CHOSEN", {})
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    measured = measure(layers, 2)
+    measured = time_kernels(layers, 2)
     assert measured["wrong"] is None
     assert choose(model, 2)[0] not in ("wrong", None)
 
@@ -79,8 +79,8 @@ def test_the_choice_is_measured_once_per_batch_and_kept(monkeypatch):
     model = CachedGPT(SMALL).eval()
     monkeypatch.setattr(kernels, "CHOSEN", {})
     calls = []
-    real = kernels.measure
-    monkeypatch.setattr(kernels, "measure", lambda layers, batch: calls.append(batch) or real(layers, batch))
+    real = kernels.time_kernels
+    monkeypatch.setattr(kernels, "time_kernels", lambda layers, batch: calls.append(batch) or real(layers, batch))
     first = [choose(model, b) for b in (1, 4, 1, 4)]
     assert calls == [1, 4] and first[0] == first[2] and first[1] == first[3]
     assert "twice" in first[0][1] and "twice" not in first[1][1]  # the lone-row kernels only for a lone row
@@ -96,7 +96,7 @@ def test_cli_prints_each_kernel_and_the_fastest_and_refuses_a_bad_batch_in_one_l
 
 def test_a_batch_too_large_for_memory_is_refused_before_any_row_is_allocated(monkeypatch, capsys):
     monkeypatch.setattr("cli.free_memory", lambda device: 2**30)
-    monkeypatch.setattr(kernels, "measure", lambda *args: pytest.fail("measured before the size check"))
+    monkeypatch.setattr(kernels, "time_kernels", lambda *args: pytest.fail("measured before the size check"))
     run = run_main(kernels.main, ["kernels.py", "--batches", "2", "3000000"], monkeypatch, capsys)
     assert_refused(run, "kernels.py: error: --batches 3000000 (a step's inputs and outputs) needs ")
 

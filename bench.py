@@ -296,7 +296,8 @@ def table_decode(model, engines, device, sizes, runs, out):
             cells = " ".join(f"{row[k]:>7,.0f} ±{row[k + '_spread']:>4.0%}" for k in ways)
             ratios = (f"{row['cached'] / row['no_cache']:>9.1f}x {row['engine'] / row['cached']:>12.2f}x "
                       f"{row['engine_compiled'] / row['cached']:>14.2f}x {row['engine_bf16'] / row['cached']:>10.2f}x "
-                      f"{row['engine_int8'] / row['cached']:>10.2f}x {row['engine_int8_compiled'] / row['cached']:>12.2f}x")
+                      f"{row['engine_int8'] / row['cached']:>10.2f}x "
+                      f"{row['engine_int8_compiled'] / row['cached']:>12.2f}x")
             print(f"{batch:>5} {n:>6} {cells} {ratios}", flush=True)
         print(f"   batch {batch}: compiling the step took {row['compile_seconds']:.1f} s, int8 "
               f"{row['int8_compile_seconds']:.1f} s (not in the figures); Engine's kernel: "
@@ -556,7 +557,8 @@ def table_peers(model, engines, device, sizes, runs, out):
                             label=f"batch {batch}:")
             row.update({name: batch * n / t for name, (t, _) in timed.items()})
             out.append(row)
-            cells = [f"{row[a] / row[b]:>19.2f}x" if a in row and b in row else f"{'-':>20}" for a, b in ratios.values()]
+            cells = [f"{row[a] / row[b]:>19.2f}x" if a in row and b in row else f"{'-':>20}"
+                     for a, b in ratios.values()]
             print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" if name in row else f"{'-':>15}" for name in columns)
                   + "".join(f" {cell}" for cell in cells), flush=True)
 

@@ -7,9 +7,10 @@ number of rows: feeding a lone row twice won on an AMD EPYC and lost on an
 Intel Xeon. So nothing is hard-coded: choose() times every candidate that
 runs on this device, dtype and batch, refuses any whose output is not
 nn.Linear's (within 1e-5 in float32), and keeps the fastest, once per
-(batch, device, dtype, shapes). DecodeStep is the same step in a form
-torch.compile and CUDA graphs accept (no Python state, the cache written in
-place), compiled or captured once. FastEngine is prefill_clone's Engine with
+(batch, device, dtype, shapes); int8 weights (gpt-fast's weight-only scheme,
+one scale per output channel) have candidates of their own, measured alike.
+DecodeStep is the same step in a form torch.compile and CUDA graphs accept (no
+Python state, the cache written in place), compiled or captured once. FastEngine is prefill_clone's Engine with
 all of this applied from outside, as gpt-fast applies torch.compile in its
 main: the model and the lesson's Engine know nothing of it.
 
@@ -132,7 +133,7 @@ def dequantized(layer, rows):
 
 
 def int8pack(layer, rows):
-    """ATen's weight-only int8 product, the int8 weight read as it is (what inductor turns gpt-fast's into)."""
+    """ATen's weight-only int8 product (aten._weight_int8pack_mm): the int8 weight read as it is, never made float."""
     return plus_bias(layer, torch.ops.aten._weight_int8pack_mm(rows, layer.weight, layer.scales))
 
 
@@ -254,8 +255,8 @@ def measure(layers, batch, rounds=5):
     int8 = w.dtype == torch.int8  # int8 weights multiply float32 rows
     candidates, reference = (INT8_KERNELS, dequantized) if int8 else (KERNELS, nn_linear)
     gen = torch.Generator(w.device).manual_seed(0)
-    inputs = [torch.randn(batch, layer.in_features, generator=gen, device=w.device).to(torch.float32 if int8 else w.dtype)
-              for layer in layers]
+    rows_dtype = torch.float32 if int8 else w.dtype
+    inputs = [torch.randn(batch, layer.in_features, generator=gen, device=w.device).to(rows_dtype) for layer in layers]
     names = [n for n in candidates if runs_here(n, w.device, w.dtype)
              and (batch == 1 or n not in ("twice", "mv"))]  # the lone-row kernels would only be nn.Linear again
     best = {n: float("inf") if exact(candidates[n], layers, inputs, reference) else None for n in names}
@@ -310,8 +311,8 @@ def check_dtype(dtype, device):
 def add_speed_flags(ap):
     """--compile and --dtype, for the scripts that run the Engine."""
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to compile)")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and cache (float16: CUDA; int8: weights only, "
-                    "one scale per output channel, the cache float32)")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                    help="weights and cache (float16: CUDA; int8: the weights only, one scale per output channel)")
 
 
 def speed_flags(args):

@@ -42,13 +42,15 @@ A figure near 100% cannot get much faster; one at 20% can.
    called from Python instead, and with ATen's multiplies (nothing frozen).
 4. The post's two loops, timed whole, beside the Engine (kernels.FastEngine: the
    preallocated ring cache, fastest kernel) as it runs by default, compiled (compile=True,
-   compile time reported apart) and in bfloat16; then how far bfloat16 drifts
-   from float32 on trained weights.
+   compile time reported apart), in bfloat16, and with int8 weights eager and compiled;
+   then how far bfloat16 and int8 drift from float32 on trained weights.
 5. CUDA only: kernels per decode step, the share of the step the GPU is busy,
    and the Engine with each decode step a CUDA-graph replay, at batch 1 and 16.
 6. The same weights through the serving engines installed (transformers always;
-   CTranslate2 and llama.cpp with requirements-serve.txt, on the CPU) beside the
-   Engine's three forms, and the compiled Engine's ratio to llama.cpp.
+   CTranslate2 float32 and int8, llama.cpp f32 and q8_0 with requirements-serve.txt,
+   on the CPU) beside the Engine's forms, the compiled Engine's ratio to llama.cpp f32
+   and the compiled int8 Engine's to q8_0; then where each parts from the float32
+   Engine on trained weights.
 """
 import json
 import os
@@ -74,6 +76,7 @@ QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), c
              wrappers=False)  # not the three extra compiles (up to half a minute each) of table 3's compiled line
 CHECKPOINT = "holmes.pt"  # the shipped weights, for the bf16 drift
 TABLES = "0123456"
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.int8: "int8"}
 PROMPT = 8  # the post's prompt length, in tokens
 READ_BYTES = 2**30  # the tensor read_bandwidth sums: far past any last-level cache
 
@@ -147,7 +150,7 @@ def bytes_per_step(model, batch, n_tokens, cached=True, cache_dtype=None):
         weights += looked_up * emb[0].nbytes - emb.nbytes
     if not cached:
         return weights
-    per_position = cache_bytes(batch, cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim, cache_dtype or emb.dtype)
+    per_position = cache_bytes(cfg, batch, 1, torch.finfo(cache_dtype or emb.dtype).bits // 8)
     return weights + per_position * sum(attended) / n_tokens
 
 
@@ -325,20 +328,24 @@ def table_post(model, device, sizes, runs, whole, bandwidth, out):
 
 
 def engine_forms(model):
-    """The Engine as tables 4 and 6 run it: default, compiled and bfloat16; each compiles once per batch."""
+    """The Engine as tables 4 and 6 run it: default, compiled, bfloat16, int8 weights and int8 compiled;
+    each compiled form compiles once per batch."""
     return {"engine": FastEngine(model), "engine_compiled": FastEngine(model, compile=True),
-            "engine_bf16": FastEngine(model, dtype=torch.bfloat16)}
+            "engine_bf16": FastEngine(model, dtype=torch.bfloat16), "engine_int8": FastEngine(model, dtype=torch.int8),
+            "engine_int8_compiled": FastEngine(model, dtype=torch.int8, compile=True)}
 
 
 def table_decode(model, engines, device, sizes, runs, bandwidth, out):
     print("\n4. decode speed, the post's two loops timed whole beside the Engine: tok/s = batch x tokens / seconds")
     print("   (median, ± half range)")
     print("   Engine: kernels.FastEngine's default (the fastest exact kernel, table 3); compiled: compile=True;")
-    print("   bf16: dtype=torch.bfloat16 (weights and cache; its drift from float32 below)")
+    print("   bf16: dtype=torch.bfloat16 (weights and cache); int8: dtype=torch.int8 (weights only, one scale per")
+    print("   output channel, the cache float32), eager and compiled; their drift from float32 below")
     print("   Under each row, MB %bw: what a step must read (table 0's MB/step, at each form's dtype), and bytes a")
     print("   step x steps a second over the measured bandwidth")
     print(f"{'batch':>5} {'tokens':>6} {'no cache':>14} {'cached.py':>14} {'Engine':>14} {'compiled':>14} "
-          f"{'bf16':>14} {'cache/none':>10} {'Engine/cached':>13} {'compiled/cached':>15} {'bf16/cached':>11}")
+          f"{'bf16':>14} {'int8':>14} {'int8 compiled':>14} {'cache/none':>10} {'Engine/cached':>13} "
+          f"{'compiled/cached':>15} {'bf16/cached':>11} {'int8/cached':>11} {'int8 c/cached':>13}")
     gen = torch.Generator().manual_seed(0)
     for batch in sizes["batches"]:
         prompt = torch.randint(model.cfg.vocab_size, (1, 8), generator=gen)
@@ -347,8 +354,9 @@ def table_decode(model, engines, device, sizes, runs, bandwidth, out):
         for name, engine in engines.items():
             ways[name] = lambda i, k, engine=engine: engine.generate_batch(prompt[0].tolist(), batch, max_tokens=k,
                                                                              temperature=0)[0]
-        if ways["engine_compiled"](idx, 32) != ways["engine"](idx, 32):  # the first call also compiles
-            raise SystemExit("bench.py: error: the compiled Engine gave other tokens than the eager one")
+        for eager in ("engine", "engine_int8"):  # the first call also compiles
+            if ways[eager + "_compiled"](idx, 32) != ways[eager](idx, 32):
+                raise SystemExit(f"bench.py: error: the compiled {eager} gave other tokens than the eager one")
         for n in sizes["lengths"]:
             row = {"batch": batch, "tokens": n}
             timed = measure({name: lambda fn=fn: fn(idx, n) for name, fn in ways.items()}, runs, device,
@@ -357,35 +365,58 @@ def table_decode(model, engines, device, sizes, runs, bandwidth, out):
             for name, (t, spread) in timed.items():
                 row[name], row[name + "_spread"] = batch * n / t, spread
             row["compile_seconds"] = engines["engine_compiled"].compile_seconds[batch]
+            row["int8_compile_seconds"] = engines["engine_int8_compiled"].compile_seconds[batch]
             for name in ways:
                 reads = engines[name].model if name in engines else model
                 put_bandwidth(row, name, bytes_per_step(reads, batch, n, cached=name != "no_cache"), bandwidth)
             out.append(row)
             cells = " ".join(f"{row[k]:>7,.0f} ±{row[k + '_spread']:>4.0%}" for k in ways)
             ratios = (f"{row['cached'] / row['no_cache']:>9.1f}x {row['engine'] / row['cached']:>12.2f}x "
-                      f"{row['engine_compiled'] / row['cached']:>14.2f}x {row['engine_bf16'] / row['cached']:>10.2f}x")
+                      f"{row['engine_compiled'] / row['cached']:>14.2f}x {row['engine_bf16'] / row['cached']:>10.2f}x "
+                      f"{row['engine_int8'] / row['cached']:>10.2f}x "
+                      f"{row['engine_int8_compiled'] / row['cached']:>12.2f}x")
             print(f"{batch:>5} {n:>6} {cells} {ratios}")
             print(f"{'MB %bw':>12} {bandwidth_cells(row, ways, 13)}", flush=True)
-        print(f"   batch {batch}: compiling the step took {row['compile_seconds']:.1f} s (not in the figures); "
-              f"Engine's kernel: {engines['engine'].chosen[batch]}")
+        print(f"   batch {batch}: compiling the step took {row['compile_seconds']:.1f} s, int8 "
+              f"{row['int8_compile_seconds']:.1f} s (not in the figures); Engine's kernel: "
+              f"{engines['engine'].chosen[batch]}, int8's: {engines['engine_int8'].chosen[batch]}")
+
+
+def drift_model(device):
+    """The weights drift is measured on: the shipped checkpoint (untrained scores are too flat to say much)."""
+    return load(CHECKPOINT, device) if os.path.exists(CHECKPOINT) else CachedGPT().to(device).eval()
+
+
+def drift_prompt(model):
+    return torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
 
 
 @torch.inference_mode()
-def table_drift(device, n_tokens, out):
-    print(f"\n4b. bf16 drift from float32, {CHECKPOINT} (trained weights: untrained scores are too flat to say much),")
-    print(f"   greedy, {n_tokens} tokens from an 8-token prompt: the first token where bf16 parts, and the largest")
-    print("   logit difference along the float32 tokens (at most the context's positions, in one forward)")
-    model = load(CHECKPOINT, device) if os.path.exists(CHECKPOINT) else CachedGPT().to(device).eval()
-    prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
-    full, half = FastEngine(model), FastEngine(model, dtype=torch.bfloat16)
-    tokens, low = (e.generate_batch(prompt, 1, max_tokens=n_tokens, temperature=0)[0][0] for e in (full, half))
-    parts = first_difference(tokens, low)
-    ids = torch.tensor([prompt + tokens], device=device)[:, :model.cfg.context]
-    diff = (half.model(ids)[0].float() - model(ids)[0]).abs().max().item()
-    out.update({"weights": CHECKPOINT if os.path.exists(CHECKPOINT) else "untrained", "tokens": n_tokens,
-                "first_difference": parts, "max_logit_difference": diff})
-    where = f"at token {parts}" if parts is not None else "never"
-    print(f"  bf16 parts from float32 {where} of {n_tokens}; largest logit difference {diff:.3f}")
+def dtype_drift(model, dtype, prompt, n_tokens):
+    """How far the Engine in `dtype` drifts from float32's, greedy from prompt: the first new token where
+    the two part (None: never, in n_tokens) and the largest logit difference along the float32 tokens
+    (at most the context's positions, in one forward)."""
+    full, low = FastEngine(model), FastEngine(model, dtype=dtype)
+    tokens, other = (e.generate_batch(prompt, 1, max_tokens=n_tokens, temperature=0)[0][0] for e in (full, low))
+    ids = torch.tensor([prompt + tokens], device=model.emb.weight.device)[:, :model.cfg.context]
+    diff = (low.model(ids)[0].float() - model(ids)[0]).abs().max().item()
+    return {"first_difference": first_difference(tokens, other), "max_logit_difference": diff}
+
+
+def table_drift(device, n_tokens, outs):
+    """outs: {dtype: the dict its figures go into}."""
+    names = " and ".join(DTYPE_NAMES[dtype] for dtype in outs)
+    print(f"\n4b. {names} drift from float32, {CHECKPOINT} (trained weights: untrained scores are too flat to say")
+    print(f"   much), greedy, {n_tokens} tokens from an 8-token prompt: the first token where each parts, and the")
+    print("   largest logit difference along the float32 tokens (at most the context's positions, in one forward)")
+    model = drift_model(device)
+    for dtype, out in outs.items():
+        out.update({"weights": CHECKPOINT if os.path.exists(CHECKPOINT) else "untrained", "tokens": n_tokens,
+                    **dtype_drift(model, dtype, drift_prompt(model), n_tokens)})
+        parts = out["first_difference"]
+        where = f"at token {parts}" if parts is not None else "never"
+        print(f"  {DTYPE_NAMES[dtype]} parts from float32 {where} of {n_tokens}; largest logit difference "
+              f"{out['max_logit_difference']:.3f}", flush=True)
 
 
 def table_memory(device, out):
@@ -564,11 +595,19 @@ def table_cuda(model, device, sizes, runs, out):
 
 
 # table 6's serving engines: the modules each needs, and the requirements file that installs them
+# (CTranslate2 int8: its own int8 compute on the float32 conversion; llama.cpp q8_0: a q8_0 GGUF)
 PEERS = {"transformers": (("transformers",), "requirements.txt"),
          "ctranslate2": (("ctranslate2",), "requirements-serve.txt"),
-         "llama_cpp": (("gguf", "llama_cpp"), "requirements-serve.txt")}
-# the serving engines' key and value dtype, where it is not the weights' float32: llama.cpp's default cache is f16
-PEER_CACHE_DTYPES = {"llama_cpp": torch.float16}
+         "ctranslate2_int8": (("ctranslate2",), "requirements-serve.txt"),
+         "llama_cpp": (("gguf", "llama_cpp"), "requirements-serve.txt"),
+         "llama_cpp_q8_0": (("gguf", "llama_cpp"), "requirements-serve.txt")}
+GGUF_KINDS = {"llama_cpp": "f32", "llama_cpp_q8_0": "q8_0"}
+CT2_COMPUTE = {"ctranslate2": "float32", "ctranslate2_int8": "int8"}
+# what a serving engine's step reads, where it is not the float32 Engine's: the 8-bit engines' weights as the
+# int8 Engine's (a byte a weight, a scale a row; q8_0 has one a 32-value block, 6% more), and llama.cpp's
+# keys and values in f16, its default cache
+PEER_READS = {"ctranslate2_int8": "engine_int8", "llama_cpp_q8_0": "engine_int8"}
+PEER_CACHE_DTYPES = {"llama_cpp": torch.float16, "llama_cpp_q8_0": torch.float16}
 
 
 def missing_peers(device):
@@ -585,6 +624,48 @@ def missing_peers(device):
     return missing
 
 
+def peer_runs(model, engines, missing, prompt, n, folder):
+    """{name: run(batch)} for the Engine's forms given and each serving engine installed, on model's weights
+    (the serving engines' files written under folder): a run generates batch greedy rows of n tokens from
+    prompt and returns (the rows' new ids, the seconds it timed itself in a process of its own, or None)."""
+    import export
+    import serve
+    from bpe import BPE
+    device, threads = model.emb.weight.device, torch.get_num_threads()
+    runs = {name: lambda b, e=engine: (e.generate_batch(prompt, b, max_tokens=n, temperature=0)[0], None)
+            for name, engine in engines.items()}
+    if "transformers" in missing:
+        return runs
+    bpe = BPE.load("tokenizer.json")
+    export.write_folder(model, bpe, os.path.join(folder, "hf"))
+    hf, tokenizer = export.load_folder(os.path.join(folder, "hf"))
+    hf = hf.to(device)
+    runs["transformers"] = lambda b: (hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
+                                                  min_new_tokens=n, do_sample=False,
+                                                  pad_token_id=0)[:, len(prompt):].tolist(), None)
+    tokens = tokenizer.convert_ids_to_tokens(prompt)
+    for name, compute in CT2_COMPUTE.items():
+        if name not in missing:
+            ct2 = os.path.join(folder, "ct2")
+            if not os.path.exists(ct2):
+                serve.write_ct2(hf, tokenizer, ct2)
+            runs[name] = lambda b, compute=compute: last_run(serve.isolated(
+                "CTranslate2", serve.ct2_greedy, ct2, tokens, b, n, threads, 2, compute))
+    for name, kind in GGUF_KINDS.items():
+        if name not in missing:
+            gguf = os.path.join(folder, f"model-{kind}.gguf")
+            serve.write_gguf(gguf, model.cfg, export.neox_state_dict(model), *export.spelled_vocabulary(bpe), kind)
+            runs[name] = lambda b, gguf=gguf: last_run(serve.isolated(
+                "llama.cpp", serve.llama_greedy, gguf, prompt, b, n, threads, 2))
+    return runs
+
+
+def last_run(result):
+    """(rows, seconds of the last run) from an engine's (rows, [seconds of each run]): the first run warms up."""
+    rows, seconds = result
+    return rows, seconds[-1]
+
+
 def table_peers(model, engines, device, sizes, runs, bandwidth, out):
     """The same weights through the serving engines, side by side with the Engine's forms, greedy; an engine
     that cannot run here keeps its column, shown as -, and a line says why.
@@ -594,56 +675,58 @@ def table_peers(model, engines, device, sizes, runs, bandwidth, out):
     every round (a warm-up, then the timed run), and never during another's timing."""
     import tempfile
 
-    from bpe import BPE
     n = min(256, max(sizes["lengths"]))
     print(f"\n6. the same weights through the serving engines: greedy tok/s, {n} tokens (median); the Engine's "
-          "three forms as in table 4; llama.cpp and CTranslate2 each in a fresh process of its own every round")
-    print("   Under each row, %bw: the MB a step must read (as in table 4; llama.cpp keeps its keys and values in f16)")
-    print("   and bytes a step x steps a second over the measured bandwidth")
+          "forms as in table 4; llama.cpp and CTranslate2 each in a fresh process of its own every round")
+    print("   Under each row, %bw: the MB a step must read (as in table 4; the 8-bit engines' weights counted as the")
+    print("   int8 Engine's, llama.cpp's keys and values in f16) and bytes a step x steps a second over the bandwidth")
     missing = missing_peers(device)
     for name, why in missing.items():
         print(f"   {name}: {why}")
-    bpe = BPE.load("tokenizer.json")
-    prompt = torch.randint(model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
-    threads = torch.get_num_threads()
-    peers = {name: lambda b, e=engine: e.generate_batch(prompt, b, max_tokens=n, temperature=0)
-             for name, engine in engines.items()}
+    prompt = drift_prompt(model)
+    ratios = {"compiled/llama_cpp": ("engine_compiled", "llama_cpp"),
+              "int8 compiled/q8_0": ("engine_int8_compiled", "llama_cpp_q8_0")}
     with tempfile.TemporaryDirectory() as tmp:
-        if "transformers" not in missing:
-            import export
-            import serve
-            export.write_folder(model, bpe, os.path.join(tmp, "hf"))
-            hf, tokenizer = export.load_folder(os.path.join(tmp, "hf"))
-            hf = hf.to(device)
-            peers["transformers"] = lambda b: hf.generate(torch.tensor([prompt] * b, device=device), max_new_tokens=n,
-                                                          min_new_tokens=n, do_sample=False, pad_token_id=0)
-        if "ctranslate2" not in missing:
-            serve.write_ct2(hf, tokenizer, os.path.join(tmp, "ct2"))
-            tokens = tokenizer.convert_ids_to_tokens(prompt)
-            peers["ctranslate2"] = lambda b: serve.isolated(
-                "CTranslate2", serve.ct2_greedy, os.path.join(tmp, "ct2"), tokens, b, n, threads, 2)[1][-1]
-        if "llama_cpp" not in missing:
-            gguf = os.path.join(tmp, "model.gguf")
-            serve.write_gguf(gguf, model.cfg, export.neox_state_dict(model), *export.spelled_vocabulary(bpe))
-            peers["llama_cpp"] = lambda b: serve.isolated(
-                "llama.cpp", serve.llama_greedy, gguf, prompt, b, n, threads, 2)[1][-1]
+        peers = peer_runs(model, engines, missing, prompt, n, tmp)
         columns = [*engines, *PEERS]
-        print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in columns) + f" {'compiled/llama_cpp':>22}")
+        print(f"{'batch':>5} " + " ".join(f"{name:>15}" for name in columns)
+              + "".join(f" {name:>20}" for name in ratios))
         for batch in sizes["batches"]:
             row = {"batch": batch, "tokens": n}
-            timed = measure({name: lambda run=run: run(batch) for name, run in peers.items()}, runs, device,
+            timed = measure({name: lambda run=run: run(batch)[1] for name, run in peers.items()}, runs, device,
                             label=f"batch {batch}:")
             row.update({name: batch * n / t for name, (t, _) in timed.items()})
             for name in timed:
-                reads = engines[name].model if name in engines else model
+                reads = engines[PEER_READS.get(name, name)].model if PEER_READS.get(name, name) in engines else model
                 put_bandwidth(row, name, bytes_per_step(reads, batch, n, cache_dtype=PEER_CACHE_DTYPES.get(name)),
                               bandwidth)
             out.append(row)
-            ratio = f"{row['engine_compiled'] / row['llama_cpp']:>21.2f}x" if "llama_cpp" in row else f"{'-':>22}"
+            cells = [f"{row[a] / row[b]:>19.2f}x" if a in row and b in row else f"{'-':>20}"
+                     for a, b in ratios.values()]
             print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" if name in row else f"{'-':>15}" for name in columns)
-                  + f" {ratio}")
+                  + "".join(f" {cell}" for cell in cells))
             print(f"{'%bw':>5} " + " ".join(bandwidth_cells(row, [name], 15) if name in row else f"{'-':>15}"
                                            for name in columns), flush=True)
+
+
+def table_peers_drift(device, n_tokens, out):
+    """Where each form of the Engine and each serving engine parts from the float32 Engine, greedy, on the
+    trained weights (table 6's 8-bit engines beside their float32 forms)."""
+    import tempfile
+
+    print(f"\n6b. drift on {CHECKPOINT}: the first of {n_tokens} greedy tokens (8-token prompt, as 4b) where each "
+          "parts from the float32 Engine;")
+    print("   the compiled forms give their eager forms' tokens (table 4 checks)")
+    model = drift_model(device)
+    engines = {"engine": FastEngine(model), "engine_bf16": FastEngine(model, dtype=torch.bfloat16),
+               "engine_int8": FastEngine(model, dtype=torch.int8)}
+    prompt = drift_prompt(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = peer_runs(model, engines, missing_peers(device), prompt, n_tokens, tmp)
+        reference = runs.pop("engine")(1)[0][0]
+        for name, run in runs.items():
+            out[name] = first_difference(reference, run(1)[0][0])
+            print(f"  {name:<17} {'never' if out[name] is None else f'at token {out[name]}'}", flush=True)
 
 
 def main():
@@ -693,7 +776,8 @@ def main():
           f"torch {info['torch']}, untrained weights, greedy, fp32, median of {args.runs} runs in turns after a "
           "warm-up")
     report = {"machine": info, "quick": args.quick, "runs": args.runs, "tables": sorted(tables), "post": {},
-              "decode": [], "memory": [], "prefill_clone": [], "kernels": [], "bf16_drift": {}, "cuda": {}}
+              "decode": [], "memory": [], "prefill_clone": [], "kernels": [], "bf16_drift": {}, "int8_drift": {},
+              "cuda": {}}
     if "0" in tables:
         table_post(model, device, sizes, args.runs, args.whole, bandwidth, report["post"])
     if "1" in tables:
@@ -704,11 +788,12 @@ def main():
         table_kernels(model, device, sizes, args.runs, report["kernels"])
     if "4" in tables:
         table_decode(model, engines, device, sizes, args.runs, bandwidth, report["decode"])
-        table_drift(device, sizes["drift"], report["bf16_drift"])
+        table_drift(device, sizes["drift"], {torch.bfloat16: report["bf16_drift"], torch.int8: report["int8_drift"]})
     if "5" in tables:
         table_cuda(model, device, sizes, args.runs, report["cuda"])
     if "6" in tables:
         table_peers(model, engines, device, sizes, args.runs, bandwidth, report.setdefault("peers", []))
+        table_peers_drift(device, sizes["drift"], report.setdefault("peers_drift", {}))
     if args.json is not None:
         with atomic_write(args.json, "w", force=args.force) as f:
             json.dump(report, f, indent=1)

@@ -7,9 +7,10 @@ number of rows: feeding a lone row twice won on an AMD EPYC and lost on an
 Intel Xeon. So nothing is hard-coded: choose() times every candidate that
 runs on this device, dtype and batch, refuses any whose output is not
 nn.Linear's (within 1e-5 in float32), and keeps the fastest, once per
-(batch, device, dtype, shapes). DecodeStep is the same step in a form
-torch.compile and CUDA graphs accept (no Python state, the cache written in
-place), compiled or captured once. FastEngine is prefill_clone's Engine with
+(batch, device, dtype, shapes); int8 weights (gpt-fast's weight-only scheme,
+one scale per output channel) have candidates of their own, measured alike.
+DecodeStep is the same step in a form torch.compile and CUDA graphs accept (no
+Python state, the cache written in place), compiled or captured once. FastEngine is prefill_clone's Engine with
 all of this applied from outside, as gpt-fast applies torch.compile in its
 main: the model and the lesson's Engine know nothing of it.
 
@@ -19,6 +20,7 @@ prints what each candidate took for one step's 25 multiplies and which won.
 """
 import contextlib
 import copy
+import functools
 import hashlib
 import inspect
 import io
@@ -28,6 +30,7 @@ import os
 import platform
 import shutil
 import sys
+import types
 import time
 import warnings
 import weakref
@@ -128,6 +131,68 @@ KERNELS = {"nn": nn_linear, "left": weights_left, "twice": lone_row_twice, "tran
            "mv": matrix_vector, "mkl": mkl_packed, "onednn": onednn_packed, "split": split_rows}
 
 
+def quantize_per_channel(weight):
+    """gpt-fast's weight-only int8: symmetric, one float32 scale per output channel (row of W), so that
+    W is close to int8 x scale, each value within half a scale step (the row's largest maps to 127.5,
+    kept at 127 or -128)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.5).clamp(min=torch.finfo(torch.float32).eps)
+    return torch.clamp(torch.round(w / scales[:, None]), -128, 127).to(torch.int8), scales
+
+
+def plus_bias(layer, out):
+    return out if layer.bias is None else out + layer.bias
+
+
+def dequantized(layer, rows):
+    """gpt-fast's WeightOnlyInt8Linear product: the int8 weight made float, multiplied, each column scaled."""
+    return plus_bias(layer, F.linear(rows, layer.weight.to(rows.dtype)) * layer.scales)
+
+
+def int8pack(layer, rows):
+    """ATen's weight-only int8 product (aten._weight_int8pack_mm): the int8 weight read as it is, never made float."""
+    return plus_bias(layer, torch.ops.aten._weight_int8pack_mm(rows, layer.weight, layer.scales))
+
+
+INT8_KERNELS = {"dequantize": dequantized, "int8pack": int8pack}
+
+
+class Int8Linear(nn.Module):
+    """An nn.Linear with its weight quantized once (quantize_per_channel): int8 weight, float32 scales
+    and the layer's own float32 bias; rows and products stay float32."""
+
+    def __init__(self, layer):
+        super().__init__()
+        weight, scales = quantize_per_channel(layer.weight)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.bias, self.in_features, self.out_features = layer.bias, layer.in_features, layer.out_features
+
+    def forward(self, x):
+        return dequantized(self, x)
+
+
+def quantized(module):
+    """A copy of the module tree whose nn.Linear layers hold int8 weights (Int8Linear), the rest the
+    model's own. The head is quantized like every other Linear; the embedding it is tied to stays float32,
+    so a token's lookup is exact and only the products read int8."""
+    return replacing_linears(module, Int8Linear)
+
+
+@functools.cache
+def int8pack_runs(device):
+    """Whether this torch has aten._weight_int8pack_mm on this device and it gives dequantized()'s product."""
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        return False
+    gen = torch.Generator(device).manual_seed(0)  # not torch's global one, which sampling draws from
+    weight, rows = (torch.randn(shape, generator=gen, device=device) for shape in ((48, 64), (3, 64)))
+    layer = Int8Linear(types.SimpleNamespace(weight=weight, bias=None, in_features=64, out_features=48))
+    try:
+        return exact(int8pack, [layer], [rows], dequantized)
+    except (RuntimeError, NotImplementedError):  # declared, but with no kernel for this device
+        return False
+
+
 class KernelLinear(nn.Module):
     """An nn.Linear whose product kernel(layer, rows) computes, on the layer's own weights (None: nn.Linear's)."""
 
@@ -141,18 +206,28 @@ class KernelLinear(nn.Module):
 
 
 def with_kernel(module, kernel):
-    """A copy of the module tree whose nn.Linear layers run through `kernel`. Only the tree is copied:
-    the parameters are the model's own, so the copy computes with its weights as they are now, and the
-    model itself is left as it was (two Engines in two threads never see each other's kernel)."""
-    if isinstance(module, nn.Linear):
-        return KernelLinear(module, kernel)
+    """A copy of the module tree whose nn.Linear (or Int8Linear) layers run through `kernel`. Only the tree
+    is copied: the parameters are the model's own, so the copy computes with its weights as they are now,
+    and the model itself is left as it was (two Engines in two threads never see each other's kernel)."""
+    return replacing_linears(module, lambda layer: KernelLinear(layer, kernel))
+
+
+def replacing_linears(module, replace):
+    """A copy of the module tree with replace(layer) in place of each nn.Linear (or Int8Linear) layer."""
+    if isinstance(module, (nn.Linear, Int8Linear)):
+        return replace(module)
     tree = copy.copy(module)
-    tree._modules = {name: with_kernel(child, kernel) for name, child in module._modules.items()}
+    tree._modules = {name: replacing_linears(child, replace) for name, child in module._modules.items()}
     return tree
 
 
 def runs_here(name, device, dtype):
-    """Whether a kernel exists for this device and dtype (the packed ones are CPU libraries)."""
+    """Whether a kernel exists for this device and dtype (the packed ones are CPU libraries; int8
+    weights have kernels of their own)."""
+    if (dtype == torch.int8) != (name in INT8_KERNELS):
+        return False
+    if name == "int8pack":
+        return int8pack_runs(device)
     if name == "mkl":
         return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
     if name == "onednn":
@@ -163,11 +238,13 @@ def runs_here(name, device, dtype):
 
 def kernel_named(name, device, dtype):
     """The kernel called `name`, refused in one line if unknown or not available here."""
-    if name not in KERNELS:
-        raise ValueError(f"unknown kernel {name!r}; the kernels are {list(KERNELS)}, or 'auto' to measure them")
+    every = KERNELS | INT8_KERNELS
+    if name not in every:
+        raise ValueError(f"unknown kernel {name!r}; the kernels are {list(KERNELS)} ({list(INT8_KERNELS)} for "
+                         "int8), or 'auto' to measure them")
     if not runs_here(name, device, dtype):
         raise ValueError(f"kernel {name!r} does not run on {device.type} in {str(dtype).removeprefix('torch.')}")
-    return KERNELS[name]
+    return every[name]
 
 
 def tolerance(dtype):
@@ -175,10 +252,11 @@ def tolerance(dtype):
     return 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
 
 
-def exact(kernel, layers, inputs):
-    """Whether kernel gives nn.Linear's output on every layer (relative to the output's size)."""
+def exact(kernel, layers, inputs, reference=nn_linear):
+    """Whether kernel gives the reference's output (nn.Linear's, or dequantized()'s for int8 weights) on
+    every layer (relative to the output's size)."""
     for layer, rows in zip(layers, inputs):
-        got, want = kernel(layer, rows), F.linear(rows, layer.weight, layer.bias)
+        got, want = kernel(layer, rows), reference(layer, rows)
         if got is None:  # a lone-row kernel leaves other row counts to nn.Linear
             continue
         tol = tolerance(want.dtype) * max(1.0, want.abs().max().item())
@@ -191,11 +269,14 @@ def exact(kernel, layers, inputs):
 def time_kernels(layers, batch, rounds=5):
     """{name: seconds for one step's products at `batch` rows, or None if not exact}, every candidate here."""
     w = layers[0].weight
+    int8 = w.dtype == torch.int8  # int8 weights multiply float32 rows
+    candidates, reference = (INT8_KERNELS, dequantized) if int8 else (KERNELS, nn_linear)
     gen = torch.Generator(w.device).manual_seed(0)
-    inputs = [torch.randn(batch, layer.in_features, generator=gen, device=w.device).to(w.dtype) for layer in layers]
-    names = [n for n in KERNELS if runs_here(n, w.device, w.dtype)
+    rows_dtype = torch.float32 if int8 else w.dtype
+    inputs = [torch.randn(batch, layer.in_features, generator=gen, device=w.device).to(rows_dtype) for layer in layers]
+    names = [n for n in candidates if runs_here(n, w.device, w.dtype)
              and (batch == 1 or n not in ("twice", "mv"))]  # the lone-row kernels would only be nn.Linear again
-    best = {n: float("inf") if exact(KERNELS[n], layers, inputs) else None for n in names}
+    best = {n: float("inf") if exact(candidates[n], layers, inputs, reference) else None for n in names}
     for _ in range(rounds):
         # interleaved and the least disturbed run kept: on a busy machine a median still carries the
         # neighbours' load, and they load every candidate alike only if the candidates take turns
@@ -203,7 +284,7 @@ def time_kernels(layers, batch, rounds=5):
             sync(w.device)
             t0 = time.perf_counter()
             for layer, rows in zip(layers, inputs):
-                KERNELS[name](layer, rows)
+                candidates[name](layer, rows)
             sync(w.device)
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
@@ -214,7 +295,7 @@ CHOSEN = {}  # (batch, device, dtype, weight shapes) -> (name, {name: seconds or
 
 def choose(model, batch):
     """The fastest exact kernel for `batch` rows on this model's device and dtype, and what was measured."""
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear))]
     w = layers[0].weight
     key = (batch, w.device, w.dtype, tuple(tuple(layer.weight.shape) for layer in layers))
     if key not in CHOSEN:
@@ -229,7 +310,8 @@ def choose(model, batch):
     return CHOSEN[key]
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# int8: the weights only (Int8Linear), the activations and the cache float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def check_dtype(dtype, device):
@@ -249,7 +331,8 @@ def add_speed_flags(ap):
                     help="run the decode step compiled (a minute or so the first time, then loaded from the cache)")
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help=f"where compiled decode steps are kept (default: {shown(default_compile_cache())})")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and cache (float16: CUDA)")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                    help="weights and cache (float16: CUDA; int8: the weights only, one scale per output channel)")
 
 
 def speed_flags(args):
@@ -545,7 +628,9 @@ class FastEngine(Engine):
     self.steps[batch].loaded whether it was loaded); its cache is the full context, so one
     compiled step serves every prompt and length. cuda_graph: replay each decode step as a CUDA graph (on a CPU the same
     graph-safe step runs eagerly); with compile on CUDA the compiled step is what is captured.
-    dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache.
+    dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache; int8 for
+    int8 copies of the Linear weights, quantized here, once (quantized()), with the embedding, the
+    activations and the cache float32, the kernel chosen among INT8_KERNELS.
     """
 
     def __init__(self, model, tokenizer=None, kernel="auto", compile=False, dtype=torch.float32, cuda_graph=False,
@@ -559,10 +644,15 @@ class FastEngine(Engine):
                                  "leave kernel='auto'")
         if compile:
             check_compiler(device, "or make the Engine without compile=True")
-        super().__init__(model if model.emb.weight.dtype == dtype else copy.deepcopy(model).to(dtype), tokenizer, fill)
-        # a bfloat16 copy or a compiled step with frozen weights would keep running the weights of now
+        if dtype == torch.int8:
+            ready = quantized(model)
+        else:
+            ready = model if model.emb.weight.dtype == dtype else copy.deepcopy(model).to(dtype)
+        super().__init__(ready, tokenizer, fill)
+        # a bfloat16 or int8 copy, or a compiled step with frozen weights, would keep running the weights of now
         self.source, self.weights = model, weights_state(model)
-        self.kernel, self.compile, self.cuda_graph, self.compile_cache = kernel, compile, cuda_graph, compile_cache
+        self.kernel, self.compile, self.cuda_graph, self.dtype = kernel, compile, cuda_graph, dtype
+        self.compile_cache = compile_cache
         # a compiled or graphed step is made once per batch and kept; it reads every slot of a
         # full-context cache behind a mask, so one of them serves every prompt and length
         self.keeps_step = compile or cuda_graph
@@ -572,8 +662,9 @@ class FastEngine(Engine):
         """self.model with its products run by the kernel measured fastest for `batch` rows (or fixed)."""
         if batch not in self.kernel_models:
             self.chosen[batch] = choose(self.model, batch)[0] if self.kernel == "auto" else self.kernel
-            name = self.chosen[batch]
-            self.kernel_models[batch] = self.model if name == "nn" else with_kernel(self.model, KERNELS[name])
+            name, device = self.chosen[batch], self.model.emb.weight.device
+            self.kernel_models[batch] = self.model if name == "nn" else with_kernel(
+                self.model, kernel_named(name, device, self.dtype))
         return self.kernel_models[batch]
 
     def cache_len(self, n_prompt, max_tokens):

@@ -242,11 +242,12 @@ def llama_greedy(path, prompt, batch, n_tokens, threads, runs=1):
         llama_cpp.llama_model_free(model)
 
 
-def ct2_greedy(path, tokens, batch, n_tokens, threads, runs=1):
+def ct2_greedy(path, tokens, batch, n_tokens, threads, runs=1, compute_type="float32"):
     """batch greedy continuations of one prompt (token strings) through CTranslate2, as ids, and the
-    seconds each of `runs` generations took (the model loaded once, before the clock)."""
+    seconds each of `runs` generations took (the model loaded once, before the clock). compute_type:
+    CTranslate2's, "int8" to quantize a float32 conversion's weights as it loads them."""
     ctranslate2 = engine("ctranslate2")
-    generator = ctranslate2.Generator(os.fspath(path), device="cpu", compute_type="float32", intra_threads=threads)
+    generator = ctranslate2.Generator(os.fspath(path), device="cpu", compute_type=compute_type, intra_threads=threads)
     seconds = []
     for _ in range(runs):
         started = time.perf_counter()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bench
+from cached import load
 from kernels import compiler_missing
 from conftest import assert_refused, run_main
 
@@ -47,8 +48,10 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     assert all(set(r) == {"batch", "tokens", *loops, *(m + "_spread" for m in loops), *read_by(loops[:2])}
                for r in post["rows"])
     assert post["cache"] == {"tokens": 256, "measured_bytes": 3 * 2**20, "formula_bytes": 3 * 2**20}
-    methods = ("no_cache", "cached", "engine", "engine_compiled", "engine_bf16")
-    decode_keys = {"batch", "tokens", "compile_seconds", *methods, *(m + "_spread" for m in methods), *read_by(methods)}
+    engines = ("engine", "engine_compiled", "engine_bf16", "engine_int8", "engine_int8_compiled")
+    methods = ("no_cache", "cached", *engines)
+    decode_keys = {"batch", "tokens", "compile_seconds", "int8_compile_seconds", *methods,
+                   *(m + "_spread" for m in methods), *read_by(methods)}
     assert len(report["decode"]) == 2 and all(set(r) == decode_keys for r in report["decode"])
     assert [r["config"] for r in report["memory"]] == ["Part 3 (4 heads)", "GQA (4 q heads, 1 kv head)"]
     # the post's figures: 2 x 6 x 256 x 256 x 4 bytes = 3.00 MiB; one kv head of four keeps a quarter
@@ -61,14 +64,17 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
         assert set(r) == {"batch", "kernels_ms", "chosen", "step_ms_chosen", "step_ms_nn"}
         assert {"nn", "left", "transposed"} <= set(r["kernels_ms"]) and ("twice" in r["kernels_ms"]) == (r["batch"] == 1)
         assert r["kernels_ms"][r["chosen"]] == min(t for t in r["kernels_ms"].values() if t is not None)
-    drift = report["bf16_drift"]
-    assert drift["weights"] == "holmes.pt" and drift["tokens"] == 16 and 0 < drift["max_logit_difference"] < 1
-    assert drift["first_difference"] is None or 0 <= drift["first_difference"] < 16
+    for drift in (report["bf16_drift"], report["int8_drift"]):
+        assert drift["weights"] == "holmes.pt" and drift["tokens"] == 16 and 0 < drift["max_logit_difference"] < 1
+        assert drift["first_difference"] is None or 0 <= drift["first_difference"] < 16
     assert report["cuda"]["skipped"].startswith("skipped: needs a CUDA device")
     installed = set(bench.PEERS) - set(bench.missing_peers(torch.device("cpu")))  # the serving engines here
-    engines = {"engine", "engine_compiled", "engine_bf16", *installed}
-    columns = {"batch", "tokens", *engines, *read_by(engines)}
+    ran = {*engines, *installed}
+    columns = {"batch", "tokens", *ran, *read_by(ran)}
     assert [r["batch"] for r in report["peers"]] == [1, 4] and all(set(r) == columns for r in report["peers"])
+    drifts = report["peers_drift"]  # where each parts from the float32 Engine, the compiled forms left out
+    assert set(drifts) == {"engine_bf16", "engine_int8", *installed}
+    assert all(d is None or 0 <= d < 16 for d in drifts.values())
     numbers = dict(positive_numbers({k: report[k] for k in ("post", "decode", "memory", "prefill_clone", "kernels",
                                                             "peers")}))
     assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers
@@ -167,11 +173,11 @@ def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypa
     assert any(line.startswith("   ctranslate2: ") for line in lines)
     assert "   llama_cpp: not installed (pip install -r requirements-serve.txt)" in lines
     header, row, shares = lines[-3].split(), lines[-2].split(), lines[-1]
-    assert header == ["batch", "engine", "engine_compiled", "engine_bf16", "transformers", "ctranslate2", "llama_cpp",
-                      "compiled/llama_cpp"]
-    assert row[0] == "1" and row[4:] == ["-", "-", "-", "-"] and len(row) == len(header)
+    assert header == ["batch", "engine", "engine_compiled", "engine_bf16", "transformers", "ctranslate2",
+                      "ctranslate2_int8", "llama_cpp", "llama_cpp_q8_0", "compiled/llama_cpp", "int8", "compiled/q8_0"]
+    assert row[0] == "1" and row[4:] == ["-"] * 7 and len(row) == len(header) - 1  # "int8 compiled/q8_0": one column
     # under the row, each engine that ran: the MB a step reads and its share of the bandwidth; the others -
-    assert re.fullmatch(r"  %bw(\s+\d+\.\d MB\s+\d+%){3}(\s+-){3}", shares), shares
+    assert re.fullmatch(r"  %bw(\s+\d+\.\d MB\s+\d+%){3}(\s+-){5}", shares), shares
     assert set(out[0]) == {"batch", "tokens", "engine", "engine_compiled", "engine_bf16",
                            *read_by(("engine", "engine_compiled", "engine_bf16"))}
 
@@ -268,3 +274,13 @@ def test_the_two_fills_side_by_side_give_the_same_rows_or_the_run_stops(monkeypa
     monkeypatch.setitem(bench.FILLS, "separate", other_rows)
     with pytest.raises(SystemExit, match="the two ways of filling the rows gave different tokens"):
         bench.fills_side_by_side(Engine(model), PROMPT, 3, 6, 3, device, temperature=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_drift_from_float32_on_the_trained_weights_is_reported_and_bounded(dtype):
+    """bf16 copies every weight, int8 keeps each weight within half a step of its row's 255; on the shipped
+    weights neither moves a score by a whole logit, and greedy keeps float32's first tokens."""
+    model = load("holmes.pt")
+    drift = bench.dtype_drift(model, dtype, bench.drift_prompt(model), 64)
+    assert 0 < drift["max_logit_difference"] < 1
+    assert drift["first_difference"] is None or drift["first_difference"] >= 4

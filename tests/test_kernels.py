@@ -6,7 +6,7 @@ import kernels
 import sample_grid
 from cached import CachedGPT
 from conftest import assert_refused, run_main
-from kernels import KERNELS, FastEngine, KernelLinear, choose, time_kernels, with_kernel
+from kernels import INT8_KERNELS, KERNELS, FastEngine, Int8Linear, KernelLinear, choose, time_kernels, with_kernel
 from model import Config
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
@@ -111,3 +111,88 @@ def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything
     run = run_main(sample_grid.main, ["sample_grid.py", "--compile"], monkeypatch, capsys)
     assert_refused(run, "sample_grid.py: error: compiling on the CPU needs the C++ compiler")
     assert run[1] == ""
+
+
+def test_int8_quantization_keeps_every_weight_within_half_its_rows_scale_step():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=gen) * torch.logspace(-4, 1, 48)[:, None]  # rows of every size
+    weight[3] = 0  # an all-zero row keeps a positive scale and comes back zero
+    q, scales = kernels.quantize_per_channel(weight)
+    assert q.dtype == torch.int8 and q.shape == weight.shape and scales.shape == (48,) and (scales > 0).all()
+    error = (q.float() * scales[:, None] - weight).abs() / scales[:, None]  # in steps of the row's scale
+    assert error.max() <= 0.5 + 1e-4  # the margin: float32's rounding of values up to 128 steps
+    largest = weight.abs().amax(dim=1)
+    assert torch.allclose(scales[largest > 0], largest[largest > 0] / 127.5)  # each row's largest: 127.5 steps
+    assert not (q[3]).any()
+
+
+@pytest.mark.parametrize("name", list(INT8_KERNELS))
+def test_every_int8_kernel_computes_the_dequantized_product(name):
+    if not kernels.runs_here(name, torch.device("cpu"), torch.int8):
+        pytest.skip(f"kernel {name!r} does not run in this torch build")
+    torch.manual_seed(0)
+    block = CachedGPT(SMALL).eval().blocks[0]
+    for layer in (block.mlp[0], block.attn.qkv):  # with and without a bias
+        int8 = Int8Linear(layer)
+        x = torch.randn(3, 1, layer.in_features)
+        dequantized = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+        with torch.no_grad():
+            dequantized.weight.copy_(int8.weight.float() * int8.scales[:, None])
+            if layer.bias is not None:
+                dequantized.bias.copy_(layer.bias)
+            got = KernelLinear(int8, INT8_KERNELS[name])(x)
+        torch.testing.assert_close(got, float64_product(dequantized, x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_engine_quantizes_a_copy_once_and_its_rows_are_each_a_one_row_runs():
+    torch.manual_seed(0)
+    model = CachedGPT(SMALL).eval()
+    with torch.no_grad():  # x10: untrained scores are too flat for greedy rows to say much
+        for p in model.parameters():
+            p.mul_(10)
+    engine = FastEngine(model, dtype=torch.int8)
+    linears = [m for m in engine.model.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 4 * SMALL.n_layers + 1 and all(m.weight.dtype == torch.int8 for m in linears)
+    # the tied head is quantized; the embedding it shares a weight with stays the model's float32 one
+    assert isinstance(engine.model.head, Int8Linear) and engine.model.emb.weight is model.emb.weight
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if "Linear" in type(m).__name__)
+    prompt = [5, 17, 300, 42, 9]
+    for kernel in [n for n in INT8_KERNELS if kernels.runs_here(n, torch.device("cpu"), torch.int8)]:
+        fixed = FastEngine(model, kernel=kernel, dtype=torch.int8)
+        for knobs, seeds in ((dict(temperature=0), 42), (dict(temperature=1.0), 3)):  # every row seeded alike
+            rows, _ = fixed.generate_batch(prompt, 3, max_tokens=12, seed=[seeds] * 3, **knobs)
+            one, _ = fixed.generate_batch(prompt, 1, max_tokens=12, seed=seeds, **knobs)
+            assert rows == one * 3
+    with torch.no_grad():
+        model.blocks[0].mlp[0].weight.mul_(2)
+    with pytest.raises(ValueError, match="the model's weights changed after this Engine was made"):
+        engine.generate_batch(prompt, 1, max_tokens=3, temperature=0)
+
+
+def test_where_torchs_int8_kernel_does_not_run_the_int8_engine_falls_back_to_dequantizing(monkeypatch):
+    def missing(layer, rows):
+        raise NotImplementedError("no _weight_int8pack_mm kernel for this device")
+    kernels.int8pack_runs.cache_clear()
+    monkeypatch.setattr(kernels, "int8pack", missing)
+    monkeypatch.setattr(kernels, "CHOSEN", {})
+    try:
+        assert not kernels.int8pack_runs(torch.device("cpu"))
+        engine = FastEngine(CachedGPT(SMALL).eval(), dtype=torch.int8)
+        engine.generate_batch([1, 2], 2, max_tokens=3, temperature=0)
+        assert engine.chosen == {2: "dequantize"} and set(choose(engine.model, 2)[1]) == {"dequantize"}
+    finally:
+        kernels.int8pack_runs.cache_clear()
+
+
+@pytest.mark.skipif(bool(kernels.compiler_missing("cpu")), reason=str(kernels.compiler_missing("cpu")))
+def test_the_compiled_int8_engine_gives_the_eager_int8_tokens():
+    torch.manual_seed(0)
+    model = CachedGPT(SMALL).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10)
+    compiled, eager = FastEngine(model, dtype=torch.int8, compile=True), FastEngine(model, dtype=torch.int8)
+    for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        assert compiled.generate_batch([5, 17, 300], 2, max_tokens=10, **knobs) == \
+            eager.generate_batch([5, 17, 300], 2, max_tokens=10, **knobs)
+    assert list(compiled.compile_seconds) == [2]

@@ -218,12 +218,14 @@ def test_bad_input_is_named(call, message):
         Engine(small()).generate_batch(**args)
 
 
-def test_cli_prints_the_samples_and_one_line_of_timing():
-    cmd = [sys.executable, "prefill_clone.py", "-n", "2", "--tokens", "4"]
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_cli_prints_the_samples_and_one_line_of_timing(dtype):
+    cmd = [sys.executable, "prefill_clone.py", "-n", "2", "--tokens", "4", "--dtype", dtype]
     run = subprocess.run(cmd, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "--- sample 1 (seed 1)" in run.stdout and "--- sample 2" not in run.stdout
-    assert run.stdout.splitlines()[-1].startswith("prompt 21 tokens, 2 samples x 4 tokens: first token in ")
+    last = run.stdout.splitlines()[-1]
+    assert last.startswith("prompt 21 tokens, 2 samples x 4 tokens: first token in ") and f"(cpu, {dtype}, " in last
 
 
 def test_integer_likes_are_accepted_as_ids_and_counts():
@@ -270,7 +272,7 @@ def test_a_ring_shorter_than_the_context_refuses_to_wrap():
     (["--tokens", "-1"], "--tokens must be at least 1, got -1"),
     (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
     (["--dtype", "float16"], "float16 runs only on CUDA here; on the CPU use bfloat16"),
-    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
 ])
 def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, monkeypatch, capsys):
     run = run_main(prefill_clone.main, ["prefill_clone.py", *args], monkeypatch, capsys)
@@ -383,7 +385,9 @@ def test_bf16_engine_runs_a_bf16_copy_and_leaves_the_model_as_it_was():
     (dict(kernel="mkl", dtype=torch.bfloat16), "kernel 'mkl' does not run on cpu in bfloat16"),
     (dict(kernel="left", compile=True), "inductor picks the compiled step's kernels"),
     (dict(dtype=torch.float16), "float16 runs only on CUDA here; on the CPU use bfloat16"),
-    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(kernel="mkl", dtype=torch.int8), "kernel 'mkl' does not run on cpu in int8"),
+    (dict(kernel="int8pack"), "kernel 'int8pack' does not run on cpu in float32"),
+    (dict(dtype="int4"), "dtype must be one of"),
     (dict(dtype=torch.float64), "dtype must be one of"),
 ])
 def test_bad_engine_settings_are_refused_in_one_line(engine, message):

@@ -56,3 +56,10 @@ def test_the_grid_in_bf16_gives_eight_rows_and_greedy_starts_as_float32_does():
     rows, _ = grid(model, tokens, 10, seed=1, dtype=torch.bfloat16)
     assert list(rows) == list(SETTINGS) and all(len(r) == 10 for r in rows.values())
     assert rows["greedy"][:3] == grid(model, tokens, 3, seed=1)[0]["greedy"]
+
+
+def test_the_grid_with_int8_weights_gives_eight_rows_and_greedy_starts_as_float32_does():
+    model, tokens = load("holmes.pt"), BPE.load("tokenizer.json").encode("Holmes")
+    rows, _ = grid(model, tokens, 10, seed=1, dtype=torch.int8)
+    assert list(rows) == list(SETTINGS) and all(len(r) == 10 for r in rows.values())
+    assert rows["greedy"][:3] == grid(model, tokens, 3, seed=1)[0]["greedy"]

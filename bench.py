@@ -38,8 +38,8 @@ A figure near 100% cannot get much faster; one at 20% can.
    and in all, and both must give the same tokens.
 3. The decode step's matrix multiply: every exact kernel in kernels.py timed
    here, the one the Engine chose, and a whole step with it and with nn.Linear;
-   on the CPU, the step compiled as kernels.COMPILE_OPTIONS sets it, with the graph
-   called from Python instead, and with ATen's multiplies (nothing frozen).
+   on the CPU, the step compiled each of kernels.COMPILE_WAYS (autotuned C++ multiplies on
+   frozen weights, and inductor's plain ATen ones): the Engine runs whichever is faster here.
 4. The post's two loops, timed whole, beside the Engine (kernels.FastEngine: the
    preallocated ring cache, fastest kernel) as it runs by default, compiled (compile=True,
    compile time reported apart), in bfloat16, and with int8 weights eager and compiled;
@@ -66,14 +66,14 @@ import torch
 
 from cached import CachedGPT, LayerCache, first_difference, load
 from checks import cache_bytes
-from kernels import COMPILE_OPTIONS, KERNELS, DecodeStep, FastEngine, check_compiler, choose, sync, with_kernel
+from kernels import COMPILE_WAYS, KERNELS, DecodeStep, FastEngine, check_compiler, choose, sync, with_kernel
 from model import Config
 from prefill_clone import clone_prompt, run_prompt
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), clone_tokens=60,
-            steps=50, drift=256, wrappers=True)
+            steps=50, drift=256, compiled_ways=True)
 QUICK = dict(batches=(1, 4), lengths=(8, 16), prompts=(16, 32), clones=(1, 4), clone_tokens=4, steps=5, drift=16,
-             wrappers=False)  # not the three extra compiles (up to half a minute each) of table 3's compiled line
+             compiled_ways=False)  # not the extra compiles (up to a minute each) of table 3's compiled line
 CHECKPOINT = "holmes.pt"  # the shipped weights, for the bf16 drift
 TABLES = "0123456"
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.int8: "int8"}
@@ -530,22 +530,17 @@ def table_kernels(model, device, sizes, runs, out):
         print(f"  batch {batch:>2}: {cells}")
         print(f"            chosen: {chosen}; whole step {row['step_ms_chosen']:.3f} ms, "
               f"with nn.Linear {row['step_ms_nn']:.3f} ms", flush=True)
-        if batch == 1 and device.type == "cpu" and sizes["wrappers"]:
+        if batch == 1 and device.type == "cpu" and sizes["compiled_ways"]:
             row["compiled_step_ms"] = compiled_ways(model, device, steps, runs)
-            print("            compiled: whole step {as_set:.3f} ms as kernels.COMPILE_OPTIONS sets it, "
-                  "{python_wrapper:.3f} ms with the graph called from Python, {aten:.3f} ms with ATen's "
-                  "multiplies (nothing frozen or autotuned)".format(**row["compiled_step_ms"]))
+            ways = ", ".join(f"{name} {ms:.3f} ms" for name, ms in row["compiled_step_ms"].items())
+            print(f"            compiled (kernels.COMPILE_WAYS, the Engine runs the fastest): whole step {ways}")
 
 
 def compiled_ways(model, device, steps, runs):
-    """The batch-1 step compiled with COMPILE_OPTIONS, with Python's wrapper instead of C++'s, and with
-    ATen's multiplies (no frozen weights, no autotuning), timed in turns at a full cache (ms): each
-    setting chosen on one CPU, measured again wherever bench runs."""
+    """The batch-1 step compiled each of kernels.COMPILE_WAYS, timed in turns at a full cache (ms), as the
+    Engine times them to choose (here with the bench's runs and medians)."""
     token, cache = decode_fixture(model, 1, device)
-    options = COMPILE_OPTIONS["cpu"]
-    ways = {name: DecodeStep(model, cache, compile=True, options=o) for name, o in (
-        ("as_set", options), ("python_wrapper", {**options, "cpp_wrapper": False}),
-        ("aten", {"cpp_wrapper": options["cpp_wrapper"]}))}
+    ways = {name: DecodeStep(model, cache, compile=True, options=o) for name, o in COMPILE_WAYS[device.type].items()}
     timed = measure({name: lambda s=s: [s(token, None) for _ in range(steps)] for name, s in ways.items()},
                     runs, device)
     return {name: t / steps * 1e3 for name, (t, _) in timed.items()}

@@ -362,16 +362,17 @@ def check_compiler(device, otherwise="or leave out --compile"):
         raise ValueError(f"{reason}, {otherwise}")
 
 
-# inductor settings. On the CPU the weights are frozen into the graph as constants, which lets
-# max_autotune try its own C++ matrix multiplies (weights packed, every core used) against ATen's,
-# timed where it compiles; AOTInductor always calls the graph from C++ (cpp_wrapper says so for
-# bench.py, which compares the ways). bench.py table 3 times the step compiled each of these ways
-# where it runs (docs/bench.md has the figures); if a simpler way wins there, change it here. The
-# last two keep the autotuner's tables of timings off stderr.
-COMPILE_OPTIONS = {"cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                           "cpp_wrapper": True, "autotune_num_choices_displayed": 0,
-                           "max_autotune_report_choices_stats": False},
-                   "cuda": {}}
+# The ways a decode step is compiled, and the one kept is measured where it runs: "autotuned" freezes the
+# weights into the graph as constants, which lets max_autotune try its own C++ matrix multiplies (weights
+# packed, every core used) against ATen's, timed where it compiles (the last two options keep the
+# autotuner's tables off stderr); "plain" is inductor's default, ATen's multiplies on the weights as they
+# are. Which is faster depends on the CPU, so DecodeStep compiles (or loads) each and times them side by
+# side on the machine it runs on (bench.py table 3 shows the figures). AOTInductor calls the graph from C++.
+COMPILE_WAYS = {"cpu": {"autotuned": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                                      "autotune_num_choices_displayed": 0,
+                                      "max_autotune_report_choices_stats": False},
+                        "plain": {}},
+                "cuda": {"plain": {}}}
 
 
 def weights_state(model):
@@ -509,13 +510,15 @@ class DecodeStep:
     is written in place, so a step needs no Python-side state: what an exported program (one graph,
     the cache's tensors its inputs) and a CUDA graph (replayed with no host work) both need.
 
-    compile: the step compiled ahead of time by AOTInductor with COMPILE_OPTIONS (or the inductor
-    `options` given), weights frozen in, kept as a package in the folder compile_cache (default:
-    default_compile_cache()) under step_key, and loaded from there when a package for the same key is
-    kept: no compiling, and no dynamo guards on each step. self.loaded says which happened,
-    self.package where it is kept, compile_seconds what making the step ready took. A package that
-    cannot be loaded, or is not this key's, is said in one line on stderr, left as it is, and the step
-    compiled anew; either way the step's first logits are checked against the eager step's.
+    compile: the step compiled ahead of time by AOTInductor each of the COMPILE_WAYS for this device
+    (or only with the inductor `options` given), each kept as a package in the folder compile_cache
+    (default: default_compile_cache()) under its step_key, and loaded from there when a package for
+    the same key is kept: no compiling, and no dynamo guards on each step. With more than one way,
+    each is timed side by side here and the fastest runs (self.way says which, self.way_ms what each
+    took). self.loaded says whether every package was loaded, self.package where the one that runs is
+    kept, compile_seconds what making the step ready took. A package that cannot be loaded, or is not
+    its key's, is said in one line on stderr, left as it is, and the step compiled anew; either way the
+    step's first logits are checked against the eager step's.
     capture (CUDA only): replay a captured graph of the step.
     """
 
@@ -523,15 +526,24 @@ class DecodeStep:
         self.model, self.cache = model, cache
         self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
-        self.loaded, self.package = False, None
+        self.loaded, self.package, self.way, self.way_ms = False, None, None, {}
         if compile:
             check_compiler(cache.k.device)
             started = time.perf_counter()
-            options = dict(COMPILE_OPTIONS[cache.k.device.type] if options is None else options)
-            runner = self._kept_or_compiled(options, check_compile_cache(compile_cache))
-            inputs = self._inputs()
-            # the runner's own loader: AOTICompiledModel's call parses its input and output specs every step
-            self.run = lambda: runner.loader.boxed_run(list(inputs))[0]
+            ways = COMPILE_WAYS[cache.k.device.type] if options is None else {"as given": options}
+            folder, inputs = check_compile_cache(compile_cache), self._inputs()
+            made = {name: self._kept_or_compiled(dict(o), folder) for name, o in ways.items()}
+            self.loaded = all(loaded for _, _, loaded in made.values())
+            # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
+            runs = {name: lambda loader=runner.loader: loader.boxed_run(list(inputs))[0]
+                    for name, (runner, _, _) in made.items()}
+            self.way_ms = self._time_ways(runs) if len(runs) > 1 else {}
+            self.way = min(self.way_ms, key=self.way_ms.get) if self.way_ms else next(iter(runs))
+            self.run, self.package = runs[self.way], made[self.way][1]
+            if self.way_ms:
+                times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.way_ms.items())
+                say(f"the compiled decode step for {cache.shape['batch']} rows, timed here: {times} a step; "
+                    f"running {self.way}")
             self._check_against_eager()
             self.compile_seconds = time.perf_counter() - started
         if capture:
@@ -541,19 +553,19 @@ class DecodeStep:
         return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
 
     def _kept_or_compiled(self, options, folder):
-        """The runner of this step's package: loaded where one is kept for its key, else compiled and kept."""
+        """(runner, package path, whether it was loaded) for the step compiled with `options`: loaded where a
+        package is kept for its key, else compiled and kept."""
         key = step_key(self.model, self.cache, options)
-        self.package = package_path(folder, key)
+        path = package_path(folder, key)
         rows = f"the compiled decode step for {self.cache.shape['batch']} rows"
-        if os.path.lexists(self.package):
-            runner, unusable = load_package(self.package, key)
+        if os.path.lexists(path):
+            runner, unusable = load_package(path, key)
             if runner is not None:
-                self.loaded = True
-                say(f"{rows}: loaded from {shown(self.package)}")
-                return runner
-            say(f"{rows}: {shown(self.package)} cannot be used ({unusable}); compiling anew and leaving that "
+                say(f"{rows}: loaded from {shown(path)}")
+                return runner, path, True
+            say(f"{rows}: {shown(path)} cannot be used ({unusable}); compiling anew and leaving that "
                 "file as it is (delete it to keep the new one there)")
-        say(f"{rows}: compiling (a minute or so), to keep in {shown(self.package)}")
+        say(f"{rows}: compiling (a minute or so), to keep in {shown(path)}")
         package = io.BytesIO()
         with torch.no_grad(), warnings.catch_warnings():
             # raised by torch.export and by inductor's autotuner about their own use of storages
@@ -562,14 +574,31 @@ class DecodeStep:
             torch._inductor.aoti_compile_and_package(
                 program, package_path=package, inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
         try:
-            with atomic_write(self.package) as f:
+            with atomic_write(path) as f:
                 f.write(package.getbuffer())
         except FileExistsError:  # another run kept this key's package first, or a file unusable here is there
             pass
         runner, unusable = load_package(package, key)
         if runner is None:
             raise RuntimeError(f"{rows} was compiled but cannot be loaded ({unusable})")
-        return runner
+        return runner, path, False
+
+    def _time_ways(self, runs, steps=10, rounds=5):
+        """{name: ms a step} for each compiled way, the ways taking turns and the least disturbed round kept
+        (as kernels.time_kernels does); the steps write into the cache, which is put back after."""
+        device, saved = self.cache.k.device, [t.clone() for t in self._inputs()]
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(rounds):
+            for name, run in runs.items():
+                sync(device)
+                started = time.perf_counter()
+                for _ in range(steps):
+                    run()
+                sync(device)
+                best[name] = min(best[name], (time.perf_counter() - started) / steps * 1e3)
+        for live, kept in zip(self._inputs(), saved):
+            live.copy_(kept)
+        return best
 
     def _inputs(self):
         return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens]

@@ -189,3 +189,14 @@ def own_compile_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-home")))
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_plain_compile_way():
+    """The Engine compiles its decode step each of kernels.COMPILE_WAYS and keeps the fastest; with the
+    autotuner that costs minutes a batch on a small CPU. The suite compiles the plain way only, and
+    test_compile_cache compiles the ways as set, once."""
+    import kernels
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "COMPILE_WAYS", {device: {"plain": {}} for device in kernels.COMPILE_WAYS})
+        yield

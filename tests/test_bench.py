@@ -5,8 +5,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,11 +32,14 @@ def positive_numbers(node, path="report"):
 
 
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
-def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
-    out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "bench.py", "cpu", "2", "--quick", "--all", "--whole", "--tokens", "8",
-                          "--json", str(out)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path, monkeypatch, capsys):
+    out, threads = tmp_path / "bench.json", torch.get_num_threads()
+    try:
+        status, stdout, err = run_main(bench.main, ["bench.py", "cpu", "2", "--quick", "--all", "--whole", "--tokens",
+                                                    "8", "--json", out], monkeypatch, capsys)
+    finally:
+        torch.set_num_threads(threads)
+    assert status == 0, err
     report = json.loads(out.read_text())
     assert report["machine"]["device"] == "cpu" and report["machine"]["threads"] == 2
     assert report["machine"]["torch"] == torch.__version__ and report["machine"]["read_bytes_per_s"] > 0
@@ -78,7 +79,7 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path):
     numbers = dict(positive_numbers({k: report[k] for k in ("post", "decode", "memory", "prefill_clone", "kernels",
                                                             "peers")}))
     assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers
-    assert "5. CUDA" in run.stdout and "skipped" in run.stdout
+    assert "5. CUDA" in stdout and "skipped" in stdout
 
 
 @pytest.mark.parametrize("args, message", [

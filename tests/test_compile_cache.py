@@ -22,9 +22,10 @@ pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compil
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 PROMPT = [5, 17, 300, 42, 9]
 BATCHES = (1, 3)
-# inductor's plain settings: the tests check what is kept and loaded, and compiling with the autotuner
-# costs a minute or more a batch here (test_prefill_clone checks the Engine compiled as set)
-LIGHT = {"cpu": {}}
+# inductor's plain settings, one way: the tests check what is kept and loaded, and compiling with the
+# autotuner costs a minute or more a batch here (the last tests compile the ways as set)
+LIGHT = {"cpu": {"plain": {}}}
+AS_SET = kernels.COMPILE_WAYS  # read when the module is imported, before conftest's one_plain_compile_way
 
 
 def small():
@@ -41,7 +42,7 @@ def kept(tmp_path_factory):
     """One model, its step compiled for each of BATCHES into a folder of its own: (model, folder, engine)."""
     folder = tmp_path_factory.mktemp("compiled")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "COMPILE_OPTIONS", LIGHT)
+        patch.setattr(kernels, "COMPILE_WAYS", LIGHT)
         model = small()
         engine = FastEngine(model, compile=True, compile_cache=folder)
         for batch in BATCHES:
@@ -51,7 +52,7 @@ def kept(tmp_path_factory):
 
 @pytest.fixture
 def light(monkeypatch):
-    monkeypatch.setattr(kernels, "COMPILE_OPTIONS", LIGHT)
+    monkeypatch.setattr(kernels, "COMPILE_WAYS", LIGHT)
 
 
 def never_compile(monkeypatch):
@@ -70,7 +71,7 @@ def assert_eager_tokens(engine, model, batch):
 def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens_at_every_step(kept, batch):
     model, folder, engine = kept
     step = engine.steps[batch]
-    assert not step.loaded and step.package.startswith(str(folder)) and engine.compile_seconds[batch] > 0
+    assert not step.loaded and step.package.startswith(str(folder))
     assert_eager_tokens(engine, model, batch)
 
 
@@ -83,7 +84,7 @@ def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_ea
     for batch in BATCHES:
         engine.prepare(batch)
         step = engine.steps[batch]
-        assert step.loaded and step.package == first.steps[batch].package and engine.compile_seconds[batch] > 0
+        assert step.loaded and step.package == first.steps[batch].package
         assert f"for {batch} rows: loaded from {step.package}" in capsys.readouterr().err
         assert_eager_tokens(engine, model, batch)
         assert open(step.package, "rb").read() == kept_bytes[batch]
@@ -92,7 +93,7 @@ def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_ea
 def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
     model = small()
     cache = KVCache.for_model(model, 1, SMALL.context)
-    key = step_key(model, cache, LIGHT["cpu"])
+    key = step_key(model, cache, LIGHT["cpu"]["plain"])
     assert step_key(small(), KVCache.for_model(model, 1, SMALL.context), {}) == key  # the same, made again
 
     changed = copy.deepcopy(model)
@@ -193,7 +194,7 @@ def test_a_step_that_computes_something_else_is_refused_in_one_line(kept, light,
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.norm.weight.mul_(2)
-    made_for = step_key(model, first.steps[1].cache, LIGHT["cpu"])
+    made_for = step_key(model, first.steps[1].cache, LIGHT["cpu"]["plain"])
     monkeypatch.setattr(kernels, "step_key", lambda *args: made_for)  # the other model's key were the first's
     shutil.copy(first.steps[1].package, tmp_path)
     never_compile(monkeypatch)
@@ -214,3 +215,33 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_t
     assert exit.value.code == (f"prefill_clone.py: error: cannot make the compile cache folder {taken} (File exists); "
                                "name another with --compile-cache")
     assert taken.read_text() == "mine"
+
+
+def test_each_way_is_compiled_and_timed_here_and_the_fastest_runs(monkeypatch, tmp_path):
+    two = {"cpu": {"plain": {}, "frozen": {"freezing": True}}}
+    monkeypatch.setattr(kernels, "COMPILE_WAYS", two)
+    model = small()
+    engine = FastEngine(model, compile=True, compile_cache=tmp_path)
+    engine.prepare(1)
+    step = engine.steps[1]
+    assert not step.loaded and set(step.way_ms) == set(two["cpu"])
+    assert step.way == min(step.way_ms, key=step.way_ms.get)
+    assert_eager_tokens(engine, model, 1)
+    for faster in two["cpu"]:  # whichever measures faster here is the one that runs, loaded, not compiled again
+        monkeypatch.setattr(kernels.DecodeStep, "_time_ways", lambda self, runs: {n: float(n != faster) for n in runs})
+        never_compile(monkeypatch)
+        engine = FastEngine(model, compile=True, compile_cache=tmp_path)
+        engine.prepare(1)
+        assert engine.steps[1].way == faster
+        assert engine.steps[1].package == kernels.package_path(str(tmp_path), step_key(
+            model, engine.steps[1].cache, two["cpu"][faster]))
+        assert_eager_tokens(engine, model, 1)
+
+
+def test_the_ways_as_set_compile_and_give_the_eager_tokens(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
+    model = small()
+    engine = FastEngine(model, compile=True, compile_cache=tmp_path)
+    engine.prepare(1)
+    assert set(engine.steps[1].way_ms) == set(AS_SET["cpu"])
+    assert_eager_tokens(engine, model, 1)

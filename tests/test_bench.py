@@ -222,15 +222,16 @@ def test_every_row_of_the_decode_table_has_its_bytes_and_share_of_the_bandwidth_
     model = CachedGPT(Config(vocab_size=256, d_model=64, n_heads=4, n_layers=2, context=32)).eval()
     # the compiled column's place taken by the same graph-safe step run eagerly: no compile in a test
     engines = {"engine": FastEngine(model), "engine_compiled": FastEngine(model, cuda_graph=True),
-               "engine_bf16": FastEngine(model, dtype=torch.bfloat16)}
+               "engine_bf16": FastEngine(model, dtype=torch.bfloat16), "engine_int8": FastEngine(model, dtype=torch.int8),
+               "engine_int8_compiled": FastEngine(model, dtype=torch.int8, cuda_graph=True)}
     out = []
     bench.table_decode(model, engines, torch.device("cpu"), {"lengths": (8,), "batches": (1, 2)}, 3, 1e10, out)
     lines = capsys.readouterr().out.splitlines()
     rows = [i for i, line in enumerate(lines) if re.match(r"\s+[12]\s+8\s+[\d,]+ ±", line)]
     assert len(rows) == 2
-    for i in rows:  # five forms, each its MB a step and its share
-        assert re.fullmatch(r"\s+MB %bw(\s+\d+\.\d MB\s+\d+%){5}", lines[i + 1]), lines[i + 1]
-    methods = ("no_cache", "cached", "engine", "engine_compiled", "engine_bf16")
+    for i in rows:  # the two loops and five forms, each its MB a step and its share
+        assert re.fullmatch(r"\s+MB %bw(\s+\d+\.\d MB\s+\d+%){7}", lines[i + 1]), lines[i + 1]
+    methods = ("no_cache", "cached", *engines)
     for row in out:
         assert read_by(methods) <= set(row)
         # each share is the row's own figure: bytes a step x steps a second (tok/s over the batch) over the bandwidth
@@ -238,6 +239,8 @@ def test_every_row_of_the_decode_table_has_its_bytes_and_share_of_the_bandwidth_
             assert row[m + "_bandwidth_share"] == pytest.approx(row[m + "_step_bytes"] * row[m] / row["batch"] / 1e10)
         # bfloat16 reads half of what float32 does; the uncached loop reads no cache
         assert row["engine_bf16_step_bytes"] == pytest.approx(row["engine_step_bytes"] / 2)
+        # int8 weights read a quarter of float32's (and a scale a row); the cache stays float32
+        assert row["engine_int8_step_bytes"] < row["engine_step_bytes"] / 2
         assert row["no_cache_step_bytes"] < row["cached_step_bytes"] == row["engine_step_bytes"]
 
 

@@ -499,6 +499,32 @@ class StepProgram(nn.Module):
         return self.model.step(token, cache, cache_seqlens.long())
 
 
+def choice_path(folder, keys):
+    """Where the measured times of the compiled ways whose packages have these keys are kept."""
+    return os.path.join(folder, f"decode-step-ways-{hashlib.sha256(' '.join(keys).encode()).hexdigest()[:40]}.json")
+
+
+def read_choice(path, ways):
+    """{way: ms a step} as measured here before for these packages, or {} if none is kept (or it is not
+    readable as one: then the ways are timed again, and the file left as it is)."""
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    good = isinstance(kept, dict) and set(kept) == set(ways) and all(
+        isinstance(ms, (int, float)) and 0 < ms < float("inf") for ms in kept.values())
+    return kept if good else {}
+
+
+def keep_choice(path, way_ms):
+    try:
+        with atomic_write(path, "w") as f:
+            json.dump(way_ms, f)
+    except FileExistsError:  # another run kept its own measurement first, or an unreadable file is there
+        pass
+
+
 def say(message):
     print(f"{os.path.basename(sys.argv[0]) or 'python'}: {message}", file=sys.stderr)
 
@@ -515,7 +541,8 @@ class DecodeStep:
     (default: default_compile_cache()) under its step_key, and loaded from there when a package for
     the same key is kept: no compiling, and no dynamo guards on each step. With more than one way,
     each is timed side by side here and the fastest runs (self.way says which, self.way_ms what each
-    took). self.loaded says whether every package was loaded, self.package where the one that runs is
+    took); the times are kept beside the packages (choice_path), so a later step for the same
+    packages loads only the faster one. self.loaded says whether every package was loaded, self.package where the one that runs is
     kept, compile_seconds what making the step ready took. A package that cannot be loaded, or is not
     its key's, is said in one line on stderr, left as it is, and the step compiled anew; either way the
     step's first logits are checked against the eager step's.
@@ -532,17 +559,24 @@ class DecodeStep:
             started = time.perf_counter()
             ways = COMPILE_WAYS[cache.k.device.type] if options is None else {"as given": options}
             folder, inputs = check_compile_cache(compile_cache), self._inputs()
+            choice = choice_path(folder, [step_key(model, cache, o) for o in ways.values()])
+            self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}
+            if self.way_ms:  # measured here before, for these very packages: only the faster is loaded
+                ways = {name: o for name, o in ways.items() if name == min(self.way_ms, key=self.way_ms.get)}
             made = {name: self._kept_or_compiled(dict(o), folder) for name, o in ways.items()}
             self.loaded = all(loaded for _, _, loaded in made.values())
             # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
             runs = {name: lambda loader=runner.loader: loader.boxed_run(list(inputs))[0]
                     for name, (runner, _, _) in made.items()}
-            self.way_ms = self._time_ways(runs) if len(runs) > 1 else {}
+            if len(runs) > 1:
+                self.way_ms = self._time_ways(runs)
+                keep_choice(choice, self.way_ms)
             self.way = min(self.way_ms, key=self.way_ms.get) if self.way_ms else next(iter(runs))
             self.run, self.package = runs[self.way], made[self.way][1]
             if self.way_ms:
                 times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.way_ms.items())
-                say(f"the compiled decode step for {cache.shape['batch']} rows, timed here: {times} a step; "
+                measured = "timed here" if len(runs) > 1 else f"as timed here before ({shown(choice)})"
+                say(f"the compiled decode step for {cache.shape['batch']} rows, {measured}: {times} a step; "
                     f"running {self.way}")
             self._check_against_eager()
             self.compile_seconds = time.perf_counter() - started
@@ -568,8 +602,9 @@ class DecodeStep:
         say(f"{rows}: compiling (a minute or so), to keep in {shown(path)}")
         package = io.BytesIO()
         with torch.no_grad(), warnings.catch_warnings():
-            # raised by torch.export and by inductor's autotuner about their own use of storages
+            # raised by torch.export and by inductor's autotuner about their own internals
             warnings.filterwarnings("ignore", "TypedStorage is deprecated")
+            warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
             program = torch.export.export(StepProgram(self.model, self.cache), tuple(self._inputs()), strict=False)
             torch._inductor.aoti_compile_and_package(
                 program, package_path=package, inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
@@ -585,9 +620,12 @@ class DecodeStep:
 
     def _time_ways(self, runs, steps=10, rounds=5):
         """{name: ms a step} for each compiled way, the ways taking turns and the least disturbed round kept
-        (as kernels.time_kernels does); the steps write into the cache, which is put back after."""
+        (as kernels.time_kernels does), after a call each (a loaded package prepares its weights on its
+        first calls); the steps write into the cache, which is put back after."""
         device, saved = self.cache.k.device, [t.clone() for t in self._inputs()]
         best = dict.fromkeys(runs, float("inf"))
+        for run in runs.values():
+            run()
         for _ in range(rounds):
             for name, run in runs.items():
                 sync(device)

@@ -63,6 +63,9 @@ def check_pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history
         raise ValueError(f"logits must be a float tensor (B, vocab), got {getattr(logits, 'shape', type(logits))}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits hold NaN or infinite scores; no token can be chosen honestly from them")
+    drawn_with = generator if isinstance(generator, list) else [] if generator is None else [generator]
+    if not all(isinstance(g, torch.Generator) for g in drawn_with):
+        raise ValueError(f"generator must be a torch.Generator or a list of one per row, got {generator!r:.60}")
     if isinstance(generator, list) and len(generator) != logits.shape[0]:
         raise ValueError(f"generator is a list of {len(generator)}, but the logits have {logits.shape[0]} rows; "
                          "give one generator, or one per row")

@@ -277,7 +277,7 @@ def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, k
     if not callable(getattr(model, "step", None)):  # a plain GPT has no cached step: it would fail at the first token
         raise ValueError(f"the Engine needs a CachedGPT (cached.load gives one), got a {type(model).__name__}")
     vocab = model.cfg.vocab_size
-    if model.training:
+    if any(m.training for m in model.modules()):  # one block left in training mode is enough for dropout
         raise ValueError("the model is in training mode, where dropout changes every token; call model.eval() first")
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
         raise ValueError("the prompt must be a non-empty list of token ids")

@@ -142,7 +142,7 @@ class CachedGPT(GPT):
     @torch.no_grad()
     def generate_cached(self, idx, n_tokens, pick=greedy, cache=LayerCache):
         """pick(logits, idx) chooses the next token; idx is everything so far."""
-        assert not self.training, "call model.eval() first: in training mode dropout changes every token"
+        assert not any(m.training for m in self.modules()), "call model.eval() first: in training mode dropout changes every token"
         caches = [cache(self.cfg.context) for _ in self.blocks]
         prompt = idx[:, -self.cfg.context:]
         logits = self.step(prompt, caches, 0)  # prefill: the whole prompt in one pass

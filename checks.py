@@ -63,6 +63,9 @@ def check_pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history
         raise ValueError(f"logits must be a float tensor (B, vocab), got {getattr(logits, 'shape', type(logits))}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits hold NaN or infinite scores; no token can be chosen honestly from them")
+    drawn_with = generator if isinstance(generator, list) else [] if generator is None else [generator]
+    if not all(isinstance(g, torch.Generator) for g in drawn_with):
+        raise ValueError(f"generator must be a torch.Generator or a list of one per row, got {generator!r:.60}")
     if isinstance(generator, list) and len(generator) != logits.shape[0]:
         raise ValueError(f"generator is a list of {len(generator)}, but the logits have {logits.shape[0]} rows; "
                          "give one generator, or one per row")
@@ -289,7 +292,7 @@ def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, k
     if not callable(getattr(model, "step", None)):  # a plain GPT has no cached step: it would fail at the first token
         raise ValueError(f"the Engine needs a CachedGPT (cached.load gives one), got a {type(model).__name__}")
     vocab = model.cfg.vocab_size
-    if model.training:
+    if any(m.training for m in model.modules()):  # one block left in training mode is enough for dropout
         raise ValueError("the model is in training mode, where dropout changes every token; call model.eval() first")
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
         raise ValueError("the prompt must be a non-empty list of token ids")

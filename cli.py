@@ -235,6 +235,9 @@ def check_replaceable(path):
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         return
+    except NotADirectoryError:  # a file, a pipe or a link to one where the path needs a folder
+        raise ValueError(f"cannot write {shown(path)}: {shown(os.path.dirname(path))} is not a folder; "
+                         "give a path in a folder") from None
     if stat.S_ISDIR(mode):
         raise ValueError(f"cannot write {shown(path)}: it is a folder; give a file name")
     if not stat.S_ISREG(mode):

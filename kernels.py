@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checks import check_request
 from prefill_clone import Engine, KVCache, clone_prompt
 
 
@@ -769,6 +770,7 @@ class FastEngine(Engine):
         matrix multiplies, or make the kept decode step (compiling takes a minute or so, loading a
         kept one seconds). Returns the seconds making the compiled step ready took, 0 if not compiled;
         a script calls it before anything it times or shows an ETA for."""
+        check_request(self, [0], batch, 1, 0, None, None, {})  # as the smallest generate of `batch` rows would be
         if self.keeps_step:
             self.decoder(batch, self.model.cfg.context)
         else:

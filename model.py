@@ -167,7 +167,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate_uncached(self, idx, n_tokens, pick=greedy):
         """Part 3's loop: rerun the last `context` tokens for every new token."""
-        assert not self.training, "call model.eval() first: in training mode dropout changes every token"
+        assert not any(m.training for m in self.modules()), "call model.eval() first: in training mode dropout changes every token"
         for n in range(n_tokens):
             logits, _ = self(idx[:, -self.cfg.context:])
             idx = torch.cat((idx, pick(check_finite(logits[:, -1], n), idx)[:, None]), dim=1)

@@ -15,14 +15,26 @@ temperature 1 samples the softmax.
 import torch
 
 
+def penalized(logits, history, penalty):
+    """logits with the penalty applied to every token in history (B, T)."""
+    seen = logits.gather(-1, history)
+    # Divide positive scores, multiply negative ones: both push the token down.
+    out = logits.scatter(-1, history, torch.where(seen > 0, seen / penalty, seen * penalty))
+    # A large score over a penalty below 1 can overflow to inf, and every score of a row times one above 1
+    # to -inf (softmax then gives NaN). Such rows are penalized in float64, which holds any float32 score
+    # at any penalty, and shifted by their top score, which softmax does not see.
+    overflows = out.isinf().any(-1, keepdim=True)
+    if logits.dtype != torch.float64 and overflows.any():
+        wide = penalized(logits.double(), history, penalty)
+        out = torch.where(overflows, (wide - wide.amax(-1, keepdim=True)).to(out.dtype), out)
+    return out
+
+
 def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None, generator=None):
     """generator: one for every row, or a list of one per row (each row then draws what it would alone)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)  # float64 stays float64
     if penalty != 1.0 and history is not None:
-        history = history.expand(len(logits), -1)  # one history row serves every row
-        seen = logits.gather(-1, history)
-        # Divide positive scores, multiply negative ones: both push the token down.
-        logits.scatter_(-1, history, torch.where(seen > 0, seen / penalty, seen * penalty))
+        logits = penalized(logits, history.expand(len(logits), -1), penalty)  # one history row serves every row
     if temperature == 0:
         return logits.argmax(-1)
     scaled = logits / temperature

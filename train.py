@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from bpe import BPE, read_corpus
-from checks import save_checkpoint
+from checks import check_archive, save_checkpoint
 from model import GPT, Config
 
 BATCH = 32
@@ -144,6 +144,10 @@ def read_resume(name, device):
                          f"finishes removes it); {instead}")
     for p in (path, log):
         check_input(p, "--resume:", MAX_RESUME_BYTES, "start without --resume")
+    try:
+        check_archive(path)  # its checksums, and no compressed entry that could inflate to any size
+    except ValueError as e:
+        raise ValueError(f"--resume: {e}; start again without --resume") from None
     try:
         state = torch.load(path, map_location=device, weights_only=True)
         with open(log, newline="") as f:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cli
+import sample_grid
 from cached import CachedGPT
 from checks import load_checkpoint, save_checkpoint
 from cli import check_fits
@@ -63,12 +64,26 @@ def test_a_compressed_entry_is_refused_before_anything_inflates_it(tmp_path):
         load_checkpoint(tmp_path / "bomb.pt")
 
 
-def test_an_engine_refuses_a_model_in_training_mode_and_a_request_without_a_bound():
-    model = CachedGPT(SMALL)
-    with pytest.raises(ValueError, match="in training mode, where dropout changes every token; call model.eval()"):
-        Engine(model).generate_batch([1, 2], 1, max_tokens=3)
+@pytest.mark.parametrize("left_training", ["the whole model", "one block", "one dropout"])
+@pytest.mark.parametrize("path", ["Engine", "FastEngine", "sample_grid.grid", "generate_cached", "GPT.generate"])
+def test_every_generate_path_refuses_a_model_with_any_part_in_training_mode(path, left_training):
+    model = CachedGPT(SMALL).eval()
+    {"the whole model": model, "one block": model.blocks[-1],
+     "one dropout": next(m for m in model.modules() if isinstance(m, torch.nn.Dropout))}[left_training].train()
+    run = {"Engine": lambda: Engine(model).generate_batch([1, 2], 1, max_tokens=3),
+           "FastEngine": lambda: FastEngine(model).generate_batch([1, 2], 1, max_tokens=3),
+           "sample_grid.grid": lambda: sample_grid.grid(model, [1, 2], 3, 0),
+           "generate_cached": lambda: model.generate_cached(torch.tensor([[1, 2]]), 3),
+           "GPT.generate": lambda: model.generate(torch.tensor([[1, 2]]), 3)}[path]
+    # the Engine's front door says it in one line; the model's own loops (the lesson's) assert it
+    with pytest.raises(AssertionError if path.startswith(("generate", "GPT")) else ValueError,
+                       match="call model.eval.. first"):
+        run()
+
+
+def test_an_engine_refuses_a_request_without_a_bound():
     with pytest.raises(ValueError, match="give max_tokens"):
-        Engine(model.eval()).generate_batch([1, 2])
+        Engine(CachedGPT(SMALL).eval()).generate_batch([1, 2])
 
 
 def test_a_bfloat16_engine_refuses_once_the_models_weights_change():

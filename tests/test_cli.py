@@ -83,6 +83,8 @@ def test_a_finished_write_is_an_ordinary_file_not_a_private_one(tmp_path):
     (lambda d: (d / "x.pt").write_bytes(b"mine") and d / "x.pt", False, "x.pt already exists; pass --force"),
     (lambda d: (d / "x.pt").symlink_to(d / "nowhere") or d / "x.pt", False, "x.pt already exists"),
     (lambda d: "/dev/null", True, "/dev/null: it is not a regular file"),  # as root, replacing it is possible
+    (lambda d: (d / "f").write_text("a file") and d / "f" / "x.pt", True, "x.pt: .*/f is not a folder"),
+    (lambda d: (os.mkfifo(d / "p"), (d / "l").symlink_to(d / "p")) and d / "l" / "x.pt", True, "/l is not a folder"),
 ])
 def test_outputs_are_checked_before_any_work(tmp_path, make, force, message):
     with pytest.raises(ValueError, match=message):

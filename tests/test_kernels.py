@@ -196,3 +196,16 @@ def test_the_compiled_int8_engine_gives_the_eager_int8_tokens():
         assert compiled.generate_batch([5, 17, 300], 2, max_tokens=10, **knobs) == \
             eager.generate_batch([5, 17, 300], 2, max_tokens=10, **knobs)
     assert list(compiled.compile_seconds) == [2]
+
+
+@pytest.mark.parametrize("batch, message", [
+    (0, "num_samples must be a whole number >= 1"), (-1, "num_samples -1 is outside"), (2.0, "is not an integer id"),
+    (10**9, "a cache of 1000000000 rows"), ("train", "training mode"), ("plain GPT", "needs a CachedGPT"),
+], ids=["zero", "negative", "float", "beyond-memory", "training-mode", "plain-gpt"])
+def test_prepare_refuses_what_a_generate_of_that_many_rows_would_before_allocating(batch, message):
+    from model import GPT
+    model = (GPT if batch == "plain GPT" else CachedGPT)(SMALL).eval()
+    if batch == "train":
+        model.blocks[0].train()
+    with pytest.raises(ValueError, match=message):
+        FastEngine(model).prepare(batch if isinstance(batch, (int, float)) else 1)

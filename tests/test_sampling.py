@@ -145,6 +145,12 @@ def test_a_generator_list_of_the_wrong_length_is_refused_by_name():
         pick(torch.randn(4, 50), generator=[G()])
 
 
+@pytest.mark.parametrize("generator", [(G(),), [G(), 7], "seed", 3], ids=["tuple", "list-with-an-int", "str", "int"])
+def test_a_generator_that_is_not_a_generator_or_a_list_of_them_is_refused_by_name(generator):
+    with pytest.raises(ValueError, match="generator must be a torch.Generator or a list of one per row"):
+        check_pick(torch.randn(2, 50), generator=generator)
+
+
 def test_row_i_with_its_own_generator_draws_what_it_draws_alone():
     scores = torch.randn(5, 100, generator=G().manual_seed(6))
     knobs = dict(temperature=1.3, top_k=40, top_p=0.9)
@@ -207,3 +213,19 @@ def test_scores_that_do_not_overflow_draw_exactly_as_the_plain_division_does():
     assert tokens[0] == 0 and tokens[1:].tolist() == [
         torch.multinomial((row / 0.7).softmax(-1), 1, generator=G().manual_seed(i)).item()
         for i, row in enumerate(scores[1:], start=1)]
+
+
+@pytest.mark.parametrize("scores, seen, penalty, drawn", [
+    ([1e35, 0.0, 0.0], [0], 1e-4, {0}),  # divided past float32's range: +inf
+    ([3e38, 2.9e38, 0.0], [0, 1], 1e-4, {0}),  # both past it, and still ordered
+    ([3e38, 3e38, 0.0], [0, 1], 1e-4, {0, 1}),  # both past it, and still tied
+    ([-1e35, -1e35, -1e35], [0, 1, 2], 1e4, {0, 1, 2}),  # every score of the row multiplied to -inf
+    ([-3e38, -3e38, -3e38], [0, 1], 1e4, {2}),
+])
+@pytest.mark.parametrize("temperature", [1.0, 1e-4])
+def test_finite_scores_that_overflow_after_the_penalty_still_sample(scores, seen, penalty, drawn, temperature):
+    rows = torch.tensor([scores]).expand(600, 3)
+    tokens = pick(rows, temperature=temperature, penalty=penalty, history=torch.tensor([seen]),
+                  generator=G().manual_seed(0))
+    assert set(tokens.tolist()) == drawn
+    assert pick(rows[:1], temperature=0, penalty=penalty, history=torch.tensor([seen])).item() in drawn

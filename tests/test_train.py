@@ -4,7 +4,9 @@ import math
 import os
 import re
 import signal
+import struct
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -454,3 +456,34 @@ def test_a_tokenizer_of_another_vocabulary_size_is_refused_before_training(tmp_p
     run = train(tmp_path, *TINY, "--tokenizer", str(tmp_path / "tok.json"), monkeypatch=monkeypatch, capsys=capsys)
     assert_refused(run, f"has {vocab:,} tokens but the model's vocabulary is 4,096; pass a tokenizer trained with")
     assert not any((tmp_path / name).exists() for name in RUN_FILES)
+
+
+def damage_archive(path, how):
+    """A resume file torch would still load: one bit of a weight flipped, or a compressed entry added."""
+    if how == "flipped-bit":
+        with zipfile.ZipFile(path) as archive:
+            entry = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 64)
+        with open(path, "r+b") as f:  # the entry's bytes follow its 30-byte local header, name and extra field
+            f.seek(entry.header_offset + 26)
+            name_length, extra_length = struct.unpack("<HH", f.read(4))
+            f.seek(entry.header_offset + 30 + name_length + extra_length + 32)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 1]))
+    else:
+        with zipfile.ZipFile(path, "a") as archive:  # inside the archive's own folder, where torch reads entries
+            folder = archive.namelist()[0].split("/")[0]
+            archive.writestr(f"{folder}/extra", b"\0" * 100_000, compress_type=zipfile.ZIP_DEFLATED)
+
+
+@pytest.mark.parametrize("how, message", [("flipped-bit", "fails its checksum"), ("deflated-entry", "is compressed")])
+def test_a_damaged_or_repacked_resume_file_is_refused_before_it_is_loaded(
+        tmp_path, killed_after_last_step, how, message, monkeypatch, capsys, shipped_unchanged):
+    copy_run(killed_after_last_step, tmp_path)
+    damage_archive(tmp_path / "run.resume.pt", how)
+    victims = {name: sha256(tmp_path / name) for name in RUN_FILES}
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: pytest.fail("torch.load read a damaged file"))
+    run = train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, "train.py: error: --resume: run.resume.pt")
+    assert message in run[2] and "start again without --resume" in run[2]
+    assert {name: sha256(tmp_path / name) for name in RUN_FILES} == victims

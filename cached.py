@@ -31,7 +31,7 @@ from cli import Parser, check_count, run_cli, with_progress
 
 import torch
 
-from checks import load_checkpoint, prompt_ids, tokenizer_for
+from checks import check_kept_tokens, load_checkpoint, prompt_ids, tokenizer_for
 # Config too: the series' scripts import it from here (`from cached import CachedGPT, Config`).
 from model import GPT, Block, Config, RoPEAttention, check_finite, greedy, rope_at  # noqa: F401
 
@@ -234,6 +234,7 @@ def main():
     check_count("--tokens", args.tokens)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     prompt = prompt_ids(tokenizer, args.prompt, model)
+    check_kept_tokens(1, prompt.shape[1] + args.tokens, args.device)
     print(f"{args.checkpoint}, prompt {args.prompt!r} ({prompt.shape[1]} tokens), greedy, {args.device}")
     if args.broken is None:
         prove(model, prompt, args.tokens)

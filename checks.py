@@ -275,6 +275,17 @@ def check_cache(model, batch, max_len):
     check_fits(nbytes, f"a cache of {batch} rows x {max_len} positions", w.device)
 
 
+# what one generated token costs a row that keeps it, generously: a Python int in the row's list and in
+# the returned one (36 bytes each), and a long in a history or idx tensor (8)
+KEPT_TOKEN_BYTES = 80
+
+
+def check_kept_tokens(rows, n_tokens, device):
+    """Refuse, before the first step, a generation whose kept tokens memory cannot hold: the loops keep
+    every token they make, so a count like 10**11 would run for days and then fail, not finish."""
+    check_fits(rows * n_tokens * KEPT_TOKEN_BYTES, f"{rows} rows x {n_tokens} tokens (the tokens they keep)", device)
+
+
 def check_sample_flags(n, seed, tokens):
     """prefill_clone.py's -n, --seed and --tokens, before any checkpoint is read."""
     if n < 1:
@@ -307,6 +318,7 @@ def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, k
         raise ValueError("give max_tokens: without a bound, a row that never meets a stop would generate forever")
     check_count("max_tokens", max_tokens)
     check_cache(model, num_samples, engine.cache_len(len(tokens), max_tokens))
+    check_kept_tokens(num_samples, len(tokens) + max_tokens, model.emb.weight.device)
     if isinstance(seed, (list, tuple)):
         seeds = [as_id(s, "seed", 2**64, "the seeds") for s in seed]
     else:  # row i draws with seed + i

@@ -159,7 +159,7 @@ class GPT(nn.Module):
         """Part 3's sampling: each token drawn from softmax(scores / temperature) with torch's global
         generator, so the same torch.manual_seed gives Part 3's tokens. pick(logits, idx), when given,
         chooses instead (temperature is then unused), as in generate_uncached."""
-        assert temperature >= 0, "temperature is 0 (greedy) or positive"
+        assert temperature == 0 or 1e-4 <= temperature < math.inf, "temperature is 0 (greedy) or finite, >= 1e-4"
         if pick is None:  # Part 3's draw (and temperature 0 the argmax), from torch's global generator
             pick = lambda logits, idx: sampling.pick(logits, temperature)  # noqa: E731
         return self.generate_uncached(idx, n_tokens, pick)

@@ -166,6 +166,7 @@ def test_bad_counts_and_names_are_refused(monkeypatch):
     if not torch.cuda.is_available():
         assert "no CUDA GPU" in one_line_exit(monkeypatch, "cached.py", "--device", "cuda")
     assert "--tokens must be a whole number >= 0, got -5" in one_line_exit(monkeypatch, "cached.py", "--tokens", "-5")
+    assert "(the tokens they keep) needs " in one_line_exit(monkeypatch, "cached.py", "--tokens", str(10**11))
 
 
 def test_cli_states_the_real_count_for_a_prompt_longer_than_the_context(tmp_path, random_model, monkeypatch,

@@ -100,6 +100,13 @@ def test_model_py_help_prints_help_without_the_self_check_and_an_unknown_flag_is
                    "model.py: error: unrecognized arguments: --stpes 3 (see --help)")
 
 
+@pytest.mark.parametrize("temperature", [-1.0, 1e-320, math.inf, math.nan])
+def test_parts_3_generate_refuses_a_temperature_it_cannot_sample_at(temperature):
+    with pytest.raises(AssertionError, match="temperature is 0"):
+        GPT(Config(vocab_size=64, d_model=32, n_heads=2, n_layers=1, context=8)).eval().generate(
+            torch.zeros(1, 1, dtype=torch.long), 2, temperature)
+
+
 def test_generate_reruns_the_last_context_tokens_for_every_new_token():
     cfg = dict(PART3_CONFIG, context=8, n_layers=2, d_model=64, vocab_size=300)
     sd = part3_state_dict(cfg)

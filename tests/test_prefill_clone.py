@@ -187,6 +187,7 @@ def test_gqa_cached_equals_uncached_and_the_cache_shrinks():
 @pytest.mark.parametrize("call, message", [
     (dict(num_samples=0), "num_samples must be a whole number >= 1"),
     (dict(max_tokens=-1), "max_tokens must be a whole number >= 0"),
+    (dict(max_tokens=10**12), r"1 rows x 1000000000005 tokens \(the tokens they keep\) needs "),
     (dict(tokens=[]), "prompt must be a non-empty list"),
     (dict(tokens=list(range(33))), "33 tokens is longer than the cache"),
     (dict(num_samples=3, settings=[{}, {}]), "settings is a list of 2, but num_samples is 3"),
@@ -268,6 +269,7 @@ def test_a_ring_shorter_than_the_context_refuses_to_wrap():
     (["-n", "100000"], "GiB, more than half of this machine"),
     (["-n", "100000000"], "GiB, more than half of this machine"),
     (["-n", "0"], "-n must be at least 1, got 0"),
+    (["--tokens", str(10**11)], "(the tokens they keep) needs "),
     (["-n", "-2"], "-n must be at least 1, got -2"),
     (["--tokens", "-1"], "--tokens must be at least 1, got -1"),
     (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),

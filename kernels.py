@@ -214,9 +214,10 @@ def with_kernel(module, kernel):
 
 
 def replacing_linears(module, replace):
-    """A copy of the module tree with replace(layer) in place of each nn.Linear (or Int8Linear) layer."""
+    """A copy of the module tree with replace(layer) in place of each nn.Linear (or Int8Linear) layer,
+    in the layer's mode (a new module starts in training mode, which the Engine refuses)."""
     if isinstance(module, (nn.Linear, Int8Linear)):
-        return replace(module)
+        return replace(module).train(module.training)
     tree = copy.copy(module)
     tree._modules = {name: replacing_linears(child, replace) for name, child in module._modules.items()}
     return tree

@@ -3,14 +3,10 @@
 pick(logits, ...) turns a batch of last-position scores (B, vocab) into one
 token per row, shape (B,), applying, in this order: the repetition penalty on
 every token in `history` (prompt included), temperature (0 means argmax),
-top-k, top-p, then a draw from the softmax with `generator`. The generate
-loops append it as pick(logits, idx)[:, None]. It trusts its inputs, which
-are checked once at the edge (checks.check_knobs, checks.check_pick).
-
-    python sampling.py
-
-runs the self-check: the reference cases and a draw-frequency check that
-temperature 1 samples the softmax.
+top-k, top-p, then a draw from the softmax with `generator`. The loops append
+it as pick(logits, idx)[:, None]. It trusts its inputs, checked once at the
+edge (checks.check_knobs, checks.check_pick). `python sampling.py` runs the
+self-check: the reference cases, and temperature 1 sampling the softmax.
 """
 import torch
 
@@ -20,9 +16,8 @@ def penalized(logits, history, penalty):
     seen = logits.gather(-1, history)
     # Divide positive scores, multiply negative ones: both push the token down.
     out = logits.scatter(-1, history, torch.where(seen > 0, seen / penalty, seen * penalty))
-    # A large score over a penalty below 1 can overflow to inf, and every score of a row times one above 1
-    # to -inf (softmax then gives NaN). Such rows are penalized in float64, which holds any float32 score
-    # at any penalty, and shifted by their top score, which softmax does not see.
+    # A penalty can overflow a score to inf, or a row's every score to -inf (softmax then gives NaN): such
+    # rows are penalized in float64, which holds them, and shifted by their top score, which softmax ignores.
     overflows = out.isinf().any(-1, keepdim=True)
     if logits.dtype != torch.float64 and overflows.any():
         wide = penalized(logits.double(), history, penalty)
@@ -68,16 +63,14 @@ def self_check():
     assert torch.equal(pick(scores, top_k=1, generator=g), best), "top_k=1 is argmax"
     assert torch.equal(pick(scores, top_p=1e-6, generator=g), best), "a tiny top_p is argmax"
     top5 = scores.topk(5, dim=-1).indices
-    for _ in range(20):
-        assert (pick(scores, top_k=5, generator=g)[:, None] == top5).any(dim=-1).all(), "top_k=5 stays in the top 5"
+    five = [(pick(scores, top_k=5, generator=g)[:, None] == top5).any(dim=-1).all() for _ in range(20)]
+    assert all(five), "top_k=5 stays in the top 5"
     quarter = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(2000, 4)
     assert set(pick(quarter, top_p=0.75, generator=g).flatten().tolist()) == {0, 1}, "top_p=0.75 keeps two"
-    seen = torch.tensor([[0]])
-    assert pick(torch.tensor([[2.0, 1.5]]), temperature=0, penalty=2.0, history=seen).item() == 1, "penalty"
-    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
-    n = 200_000
-    draws = pick(probs.log().expand(n, 4), generator=g).flatten()
-    freq = torch.bincount(draws, minlength=4).float() / n
+    penalized_first = pick(torch.tensor([[2.0, 1.5]]), temperature=0, penalty=2.0, history=torch.tensor([[0]]))
+    assert penalized_first.item() == 1, "penalty"
+    probs, n = torch.tensor([0.4, 0.3, 0.2, 0.1]), 200_000
+    freq = torch.bincount(pick(probs.log().expand(n, 4), generator=g), minlength=4).float() / n
     assert (freq - probs).abs().max() < 0.006, f"temperature 1 samples the softmax: {freq.tolist()}"
     return freq
 
@@ -89,9 +82,8 @@ def main():
         freq = self_check()
     except AssertionError as e:
         raise SystemExit(f"sampling.py: self-check failed: {e}") from None
-    print("temperature 0, top_k=1 and top_p=1e-6 all give the argmax")
-    print("top_k=5 never leaves the top 5; top_p=0.75 over [0.5, 0.3, 0.15, 0.05] picks only the first two")
-    print("penalty 2.0 on scores [2.0, 1.5] with history [0] picks 1")
+    print("temperature 0, top_k=1 and top_p=1e-6 give the argmax; top_k=5 stays in the top 5; top_p=0.75 over "
+          "[0.5, 0.3, 0.15, 0.05] keeps the first two; penalty 2.0 on [2.0, 1.5], history [0], picks 1")
     print("temperature 1 draw frequencies " + ", ".join(f"{f:.3f}" for f in freq) + " for softmax 0.4, 0.3, 0.2, 0.1")
     print("self-check passed")
 

@@ -544,10 +544,11 @@ class DecodeStep:
     the same key is kept: no compiling, and no dynamo guards on each step. With more than one way,
     each is timed side by side here and the fastest runs (self.way says which, self.way_ms what each
     took); the times are kept beside the packages (choice_path), so a later step for the same
-    packages loads only the faster one. self.loaded says whether every package was loaded, self.package where the one that runs is
-    kept, compile_seconds what making the step ready took. A package that cannot be loaded, or is not
-    its key's, is said in one line on stderr, left as it is, and the step compiled anew; either way the
-    step's first logits are checked against the eager step's.
+    packages loads only the faster one. self.loaded says whether every package was loaded,
+    self.package where the one that runs is kept, compile_seconds what making the step ready took.
+    A package that cannot be loaded, or is not its key's, is said in one line on stderr, left as it
+    is, and the step compiled anew; either way the step's first logits are checked against the
+    eager step's.
     capture (CUDA only): replay a captured graph of the step.
     """
 
@@ -559,27 +560,7 @@ class DecodeStep:
         if compile:
             check_compiler(cache.k.device)
             started = time.perf_counter()
-            ways = COMPILE_WAYS[cache.k.device.type] if options is None else {"as given": options}
-            folder, inputs = check_compile_cache(compile_cache), self._inputs()
-            choice = choice_path(folder, [step_key(model, cache, o) for o in ways.values()])
-            self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}
-            if self.way_ms:  # measured here before, for these very packages: only the faster is loaded
-                ways = {name: o for name, o in ways.items() if name == min(self.way_ms, key=self.way_ms.get)}
-            made = {name: self._kept_or_compiled(dict(o), folder) for name, o in ways.items()}
-            self.loaded = all(loaded for _, _, loaded in made.values())
-            # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
-            runs = {name: lambda loader=runner.loader: loader.boxed_run(list(inputs))[0]
-                    for name, (runner, _, _) in made.items()}
-            if len(runs) > 1:
-                self.way_ms = self._time_ways(runs)
-                keep_choice(choice, self.way_ms)
-            self.way = min(self.way_ms, key=self.way_ms.get) if self.way_ms else next(iter(runs))
-            self.run, self.package = runs[self.way], made[self.way][1]
-            if self.way_ms:
-                times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.way_ms.items())
-                measured = "timed here" if len(runs) > 1 else f"as timed here before ({shown(choice)})"
-                say(f"the compiled decode step for {cache.shape['batch']} rows, {measured}: {times} a step; "
-                    f"running {self.way}")
+            self.run = self._compiled(options, check_compile_cache(compile_cache))
             self._rehearse(self.run)  # a loaded package prepares its weights on its first calls: not in a timing
             self._check_against_eager()
             self.compile_seconds = time.perf_counter() - started
@@ -588,6 +569,31 @@ class DecodeStep:
 
     def _step(self):
         return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
+
+    def _compiled(self, options, folder):
+        """The compiled step that runs: the only way given, or the fastest of COMPILE_WAYS here."""
+        model, cache, inputs = self.model, self.cache, self._inputs()
+        ways = COMPILE_WAYS[cache.k.device.type] if options is None else {"as given": options}
+        choice = choice_path(folder, [step_key(model, cache, o) for o in ways.values()])
+        self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}
+        if self.way_ms:  # measured here before, for these very packages: only the faster is loaded
+            ways = {name: o for name, o in ways.items() if name == min(self.way_ms, key=self.way_ms.get)}
+        made = {name: self._kept_or_compiled(dict(o), folder) for name, o in ways.items()}
+        self.loaded = all(loaded for _, _, loaded in made.values())
+        # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
+        runs = {name: lambda loader=runner.loader: loader.boxed_run(list(inputs))[0]
+                for name, (runner, _, _) in made.items()}
+        if len(runs) > 1:
+            self.way_ms = self._time_ways(runs)
+            keep_choice(choice, self.way_ms)
+        self.way = min(self.way_ms, key=self.way_ms.get) if self.way_ms else next(iter(runs))
+        self.package = made[self.way][1]
+        if self.way_ms:
+            times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.way_ms.items())
+            measured = "timed here" if len(runs) > 1 else f"as timed here before ({shown(choice)})"
+            say(f"the compiled decode step for {cache.shape['batch']} rows, {measured}: {times} a step; "
+                f"running {self.way}")
+        return runs[self.way]
 
     def _kept_or_compiled(self, options, folder):
         """(runner, package path, whether it was loaded) for the step compiled with `options`: loaded where a

@@ -278,17 +278,25 @@ def time_kernels(layers, batch, rounds=5):
     inputs = [torch.randn(batch, layer.in_features, generator=gen, device=w.device).to(rows_dtype) for layer in layers]
     names = [n for n in candidates if runs_here(n, w.device, w.dtype)
              and (batch == 1 or n not in ("twice", "mv"))]  # the lone-row kernels would only be nn.Linear again
-    best = {n: float("inf") if exact(candidates[n], layers, inputs, reference) else None for n in names}
+    exact_ones = [n for n in names if exact(candidates[n], layers, inputs, reference)]
+    timed = least_disturbed({n: lambda kernel=candidates[n]: [kernel(layer, rows) for layer, rows in zip(layers, inputs)]
+                             for n in exact_ones}, w.device, rounds)
+    return {n: timed.get(n) for n in names}
+
+
+def least_disturbed(fns, device, rounds, calls=1):
+    """{name: seconds a call} for each fn, the fns taking turns for `rounds` rounds of `calls` calls and
+    each one's least disturbed round kept: on a busy machine a median still carries the neighbours'
+    load, and they load every candidate alike only if the candidates take turns."""
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
-        # interleaved and the least disturbed run kept: on a busy machine a median still carries the
-        # neighbours' load, and they load every candidate alike only if the candidates take turns
-        for name in (n for n in names if best[n] is not None):
-            sync(w.device)
-            t0 = time.perf_counter()
-            for layer, rows in zip(layers, inputs):
-                candidates[name](layer, rows)
-            sync(w.device)
-            best[name] = min(best[name], time.perf_counter() - t0)
+        for name, fn in fns.items():
+            sync(device)
+            started = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync(device)
+            best[name] = min(best[name], (time.perf_counter() - started) / calls)
     return best
 
 
@@ -574,11 +582,12 @@ class DecodeStep:
         """The compiled step that runs: the only way given, or the fastest of COMPILE_WAYS here."""
         model, cache, inputs = self.model, self.cache, self._inputs()
         ways = COMPILE_WAYS[cache.k.device.type] if options is None else {"as given": options}
-        choice = choice_path(folder, [step_key(model, cache, o) for o in ways.values()])
+        keys = {name: step_key(model, cache, o) for name, o in ways.items()}  # each hashes every weight: once
+        choice = choice_path(folder, list(keys.values()))
         self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}
         if self.way_ms:  # measured here before, for these very packages: only the faster is loaded
             ways = {name: o for name, o in ways.items() if name == min(self.way_ms, key=self.way_ms.get)}
-        made = {name: self._kept_or_compiled(dict(o), folder) for name, o in ways.items()}
+        made = {name: self._kept_or_compiled(dict(o), keys[name], folder) for name, o in ways.items()}
         self.loaded = all(loaded for _, _, loaded in made.values())
         # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
         runs = {name: lambda loader=runner.loader: loader.boxed_run(list(inputs))[0]
@@ -595,10 +604,9 @@ class DecodeStep:
                 f"running {self.way}")
         return runs[self.way]
 
-    def _kept_or_compiled(self, options, folder):
-        """(runner, package path, whether it was loaded) for the step compiled with `options`: loaded where a
-        package is kept for its key, else compiled and kept."""
-        key = step_key(self.model, self.cache, options)
+    def _kept_or_compiled(self, options, key, folder):
+        """(runner, package path, whether it was loaded) for the step compiled with `options` under `key`
+        (its step_key): loaded where a package is kept for the key, else compiled and kept."""
         path = package_path(folder, key)
         rows = f"the compiled decode step for {self.cache.shape['batch']} rows"
         if os.path.lexists(path):
@@ -629,23 +637,15 @@ class DecodeStep:
 
     def _time_ways(self, runs, steps=10, rounds=5):
         """{name: ms a step} for each compiled way, the ways taking turns and the least disturbed round kept
-        (as kernels.time_kernels does), after two calls each (a loaded package prepares its weights on
+        (least_disturbed, as the kernels are timed), after two calls each (a loaded package prepares its weights on
         its first calls); the steps write into the cache, which is put back after."""
-        device, saved = self.cache.k.device, [t.clone() for t in self._inputs()]
-        best = dict.fromkeys(runs, float("inf"))
+        saved = [t.clone() for t in self._inputs()]
         for run in runs.values():
             run(), run()
-        for _ in range(rounds):
-            for name, run in runs.items():
-                sync(device)
-                started = time.perf_counter()
-                for _ in range(steps):
-                    run()
-                sync(device)
-                best[name] = min(best[name], (time.perf_counter() - started) / steps * 1e3)
+        seconds = least_disturbed(runs, self.cache.k.device, rounds, steps)
         for live, kept in zip(self._inputs(), saved):
             live.copy_(kept)
-        return best
+        return {name: t * 1e3 for name, t in seconds.items()}
 
     def _inputs(self):
         return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens]

@@ -66,7 +66,7 @@ import torch
 
 from cached import CachedGPT, LayerCache, first_difference, load
 from checks import cache_bytes
-from kernels import COMPILE_WAYS, KERNELS, DecodeStep, FastEngine, check_compiler, choose, sync, with_kernel
+from kernels import COMPILE_WAYS, KERNELS, DecodeStep, FastEngine, GraphCache, check_compiler, choose, sync, with_kernel
 from model import Config
 from prefill_clone import clone_prompt, run_prompt
 
@@ -502,7 +502,8 @@ def decode_fixture(model, batch, device):
     """A batch-row cache filled to the full window, and a token to feed."""
     ctx = model.cfg.context
     idx = torch.randint(model.cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(2)).to(device)
-    _, cache = run_prompt(model, idx, ctx)
+    cache = GraphCache.for_model(model, batch, ctx)  # what kernels.DecodeStep writes
+    model.step(idx, cache, 0)
     return idx[:, -1:], cache
 
 

@@ -494,6 +494,30 @@ def warnings_off(logger_name):
         logger.setLevel(level)
 
 
+class GraphCache(KVCache):
+    """A KVCache that a graph-safe step can write: one token per row, each row at its own position
+    given as a (B,) tensor, nothing read on the host (what an exported program and a CUDA graph need).
+    Attention then reads every slot, and a mask hides the ones not written yet."""
+
+    def __init__(self, batch, n_layers, max_len, *args, **kwargs):
+        super().__init__(batch, n_layers, max_len, *args, **kwargs)
+        device = self.heads_k.device
+        self.layer_ids, self.rows, self.slots = (torch.arange(n, device=device) for n in (n_layers, batch, max_len))
+
+    def insert_kv(self, layer, k, v, start):
+        if isinstance(start, int):
+            return super().insert_kv(layer, k, v, start)
+        B, L = k.shape[0], self.heads_k.shape[3]
+        # written through the storage itself, not a view of it: compiled, a write into a view
+        # becomes a copy of the whole cache every step
+        layer_id, slot = self.layer_ids[layer:layer + 1], start % L
+        self.heads_k[layer_id, self.rows, :, slot] = k[:, :, 0]
+        self.heads_v[layer_id, self.rows, :, slot] = v[:, :, 0]
+        if layer == self.heads_k.shape[0] - 1:
+            self.cache_seqlens += 1
+        return self.heads_k[layer], self.heads_v[layer], (self.slots <= start.view(B, 1)).view(B, 1, 1, L)
+
+
 class StepProgram(nn.Module):
     """model.step as a function of the cache's tensors, what torch.export needs: a tensor the step only
     held would be exported as a constant of the program, and its writes would land in a copy."""
@@ -754,7 +778,7 @@ class FastEngine(Engine):
             model, cache = self.kernel_model(batch), KVCache.for_model(self.model, batch, max_len)
             return cache, lambda token, pos: model.step(token, cache, pos)
         if batch not in self.steps:
-            cache = KVCache.for_model(self.model, batch, max_len)
+            cache = GraphCache.for_model(self.model, batch, max_len)
             model = self.model if self.compile else self.kernel_model(batch)
             self.steps[batch] = DecodeStep(model, cache, self.compile, capture=cache.k.device.type == "cuda",
                                            compile_cache=self.compile_cache)

@@ -46,11 +46,8 @@ class KVCache:
         self.heads_k = torch.zeros(storage, dtype=dtype, device=device)
         self.heads_v = torch.zeros(storage, dtype=dtype, device=device)
         self.k, self.v = self.heads_k.transpose(2, 3), self.heads_v.transpose(2, 3)
-        self.layer_ids = torch.arange(n_layers, device=device)
         self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.context = context or max_len
-        self.rows = torch.arange(batch, device=device)
-        self.slots = torch.arange(max_len, device=device)
 
     @classmethod
     def for_model(cls, model, batch, max_len):
@@ -75,25 +72,12 @@ class KVCache:
         return (LayerView(self, i) for i in range(self.k.shape[0]))
 
     def insert_kv(self, layer, k, v, start):
-        """Write k, v (B, n_kv_heads, T, head_dim) at slot position % max_len; return what attention reads.
-
-        start an int: the prompt (T tokens into an empty cache) or one step for all rows; attention
-        reads the slots written so far, unmasked (a ring's slot order does not matter: RoPE has
-        already placed each key). start a (B,) tensor: one step, each row at its own position,
-        nothing read on the host (what a CUDA graph needs); attention reads every slot and a mask
-        hides the unwritten ones.
-        """
+        """Write k, v (B, n_kv_heads, T, head_dim) at slot position % max_len; return what attention reads:
+        the slots written so far, unmasked (a ring's slot order does not matter: RoPE has already placed
+        each key). T > 1 only for the prompt, into an empty cache."""
         keys, values = self.heads_k[layer], self.heads_v[layer]  # (B, H, max_len, hd)
-        B, T, L = k.shape[0], k.shape[2], keys.shape[2]
-        mask = None
-        if not isinstance(start, int):
-            # written through the storage itself, not a view of it: compiled, a write into a view
-            # becomes a copy of the whole cache every step
-            layer_id, slot = self.layer_ids[layer:layer + 1], start % L
-            self.heads_k[layer_id, self.rows, :, slot] = k[:, :, 0]
-            self.heads_v[layer_id, self.rows, :, slot] = v[:, :, 0]
-            mask = (self.slots <= start.view(B, 1)).view(B, 1, 1, L)
-        elif T > 1:
+        T, L = k.shape[2], keys.shape[2]
+        if T > 1:
             assert start == 0 and T <= L, "a prompt goes into an empty cache that holds it"
             keys[:, :, :T], values[:, :, :T] = k, v
             keys, values = keys[:, :, :T], values[:, :, :T]
@@ -103,7 +87,7 @@ class KVCache:
             keys, values = keys[:, :, :start + 1], values[:, :, :start + 1]
         if layer == self.heads_k.shape[0] - 1:
             self.cache_seqlens += T
-        return keys, values, mask
+        return keys, values, None
 
     def prefill(self, other):
         """Copy a batch-1 (or same-batch) cache into every row of this empty one."""

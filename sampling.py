@@ -1,12 +1,10 @@
 """The four sampling knobs: repetition penalty, temperature, top-k, top-p.
 
-pick(logits, ...) turns a batch of last-position scores (B, vocab) into one
-token per row, shape (B,), applying, in this order: the repetition penalty on
-every token in `history` (prompt included), temperature (0 means argmax),
-top-k, top-p, then a draw from the softmax with `generator`. The loops append
-it as pick(logits, idx)[:, None]. It trusts its inputs, checked once at the
-edge (checks.check_knobs, checks.check_pick). `python sampling.py` runs the
-self-check: the reference cases, and temperature 1 sampling the softmax.
+pick(logits, ...) turns last-position scores (B, vocab) into one token per
+row (B,): the repetition penalty on every token in `history` (prompt included),
+temperature (0 means argmax), top-k, top-p, then a draw from the softmax with
+`generator`. Its inputs are checked once at the edge (checks.check_knobs,
+checks.check_pick). `python sampling.py` runs the self-check.
 """
 import torch
 
@@ -62,9 +60,8 @@ def self_check():
     assert torch.equal(pick(scores, temperature=0), best), "temperature 0 is argmax"
     assert torch.equal(pick(scores, top_k=1, generator=g), best), "top_k=1 is argmax"
     assert torch.equal(pick(scores, top_p=1e-6, generator=g), best), "a tiny top_p is argmax"
-    top5 = scores.topk(5, dim=-1).indices
-    five = [(pick(scores, top_k=5, generator=g)[:, None] == top5).any(dim=-1).all() for _ in range(20)]
-    assert all(five), "top_k=5 stays in the top 5"
+    top5, draws = scores.topk(5, dim=-1).indices, [pick(scores, top_k=5, generator=g) for _ in range(20)]
+    assert all((d[:, None] == top5).any(-1).all() for d in draws), "top_k=5 stays in the top 5"
     quarter = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(2000, 4)
     assert set(pick(quarter, top_p=0.75, generator=g).flatten().tolist()) == {0, 1}, "top_p=0.75 keeps two"
     penalized_first = pick(torch.tensor([[2.0, 1.5]]), temperature=0, penalty=2.0, history=torch.tensor([[0]]))

@@ -15,6 +15,7 @@ from cli import run_cli
 from checks import save_checkpoint
 from conftest import PART3_CONFIG, ROOT, assert_refused, part3_state_dict, run_main
 from model import GPT, Config, rope_at
+from kernels import GraphCache
 from prefill_clone import KVCache
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
@@ -127,8 +128,9 @@ def keys_attended(monkeypatch):
 @pytest.mark.parametrize("cache", ["rolling", "ring", "ring, positions on the device"])
 def test_a_step_past_the_window_attends_exactly_context_keys(random_model, monkeypatch, cache):
     feed = prompts(1, 50, SMALL.vocab_size)
+    ring = KVCache if cache == "ring" else GraphCache  # GraphCache: kernels.py's, for the graph-safe step
     caches = [LayerCache(SMALL.context) for _ in random_model.blocks] if cache == "rolling" else \
-        KVCache.for_model(random_model, 1, SMALL.context)
+        ring.for_model(random_model, 1, SMALL.context)
     with torch.inference_mode():
         random_model.step(feed[:, :10], caches, 0)
         seen = keys_attended(monkeypatch)

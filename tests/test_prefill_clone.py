@@ -8,7 +8,7 @@ import torch
 from cached import CachedGPT, LayerCache
 import prefill_clone
 from conftest import assert_refused, run_main
-from kernels import KERNELS, FastEngine, compiler_missing
+from kernels import KERNELS, FastEngine, GraphCache, compiler_missing
 from model import GPT, Config
 from checks import cache_bytes
 from prefill_clone import Engine, KVCache, run_prompt
@@ -155,11 +155,13 @@ def test_a_stop_string_completes_a_row():
     assert len(stopped) <= 4 and tokenizer.decode(stopped).endswith(text[-2:])
 
 
-@pytest.mark.parametrize("known_pos", [True, False], ids=["sliced reads", "masked reads (graph-safe)"])
+@pytest.mark.parametrize("known_pos", [True, False], ids=["sliced reads", "masked reads (kernels.GraphCache)"])
 def test_ring_past_the_window_gives_cached_py_logits_for_600_steps(known_pos):
     model = small()
     feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
-    logits_ring, ring = run_prompt(model, feed[:, :10], SMALL.context)
+    ring = (KVCache if known_pos else GraphCache).for_model(model, 2, SMALL.context)
+    with torch.inference_mode():
+        logits_ring = model.step(feed[:, :10], ring, 0)
     caches = [LayerCache(SMALL.context) for _ in model.blocks]
     with torch.inference_mode():
         logits_rolling = model.step(feed[:, :10], caches, 0)

@@ -19,6 +19,7 @@ prepended to a prompt, and the stop id is the byte 0xFF: ids 0-255 are raw
 bytes, and 0xFF never occurs in UTF-8, so no text encodes to it and a model
 trained on text does not pick it.
 """
+import contextlib
 import importlib
 import multiprocessing
 import os
@@ -121,7 +122,8 @@ def isolated(name, fn, *args):
     context = multiprocessing.get_context("spawn")  # a clean interpreter: no forked locks or thread pools
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=send_result, args=(send, fn, args), daemon=True)
-    child.start()
+    with main_script_hidden():
+        child.start()
     send.close()
     try:
         failed, result = receive.recv()
@@ -136,6 +138,22 @@ def isolated(name, fn, *args):
     if failed:
         raise result
     return result
+
+
+@contextlib.contextmanager
+def main_script_hidden():
+    """A spawned child runs this process's main script again before fn, unless it cannot tell which script
+    that is. fn is a module's function, so the child needs none of it, and a script's imports (torch,
+    transformers) would cost seconds in every child."""
+    main = sys.modules["__main__"]
+    path, spec = main.__dict__.pop("__file__", None), main.__spec__
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = spec
+        if path is not None:
+            main.__file__ = path
 
 
 def send_result(connection, fn, args):

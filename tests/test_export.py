@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import ODD_TEXTS, PART3_CONFIG, part3_state_dict
+from conftest import ODD_TEXTS, PART3_CONFIG, part3_state_dict, run_main
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import export
@@ -98,8 +98,10 @@ def test_the_rope_layout_puts_evens_first_then_odds():
     assert rope_layout(8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def run_export(*args):
-    return subprocess.run([sys.executable, "export.py", *map(str, args)], capture_output=True, text=True)
+@pytest.fixture
+def run_export(monkeypatch, capsys):
+    """export.py run in this process: (exit status, stdout, stderr)."""
+    return lambda *args: run_main(export.main, ["export.py", *args], monkeypatch, capsys)
 
 
 def one_line_exit(monkeypatch, *args):
@@ -111,22 +113,22 @@ def one_line_exit(monkeypatch, *args):
     return exit.value.code
 
 
-def test_cli_writes_a_folder_transformers_loads_and_reports_each_check(tmp_path):
+def test_cli_writes_a_folder_transformers_loads_and_reports_each_check(tmp_path, run_export):
     out = tmp_path / "holmes-hf"
-    run = run_export("holmes.pt", out)
-    assert run.returncode == 0, run.stderr
-    assert "largest difference from model.py" in run.stdout and "the same tokens as cached.py" in run.stdout
-    assert "ids equal bpe.py's" in run.stdout
+    status, stdout, err = run_export("holmes.pt", out)
+    assert status == 0, err
+    assert "largest difference from model.py" in stdout and "the same tokens as cached.py" in stdout
+    assert "ids equal bpe.py's" in stdout
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "gpt_neox"
     assert AutoTokenizer.from_pretrained(out)("Holmes")["input_ids"] == BPE.load("tokenizer.json").encode("Holmes")
 
 
-def test_break_layout_really_moves_the_logits_and_keeps_nothing(tmp_path):
-    run = run_export("holmes.pt", tmp_path / "out", "--break", "layout")
-    assert run.returncode == 0, run.stderr
-    moved = float(run.stdout.split("largest difference from model.py ")[1].split()[0])
-    assert moved > 1.0 and "parts from cached.py after" in run.stdout
+def test_break_layout_really_moves_the_logits_and_keeps_nothing(tmp_path, run_export):
+    status, stdout, err = run_export("holmes.pt", tmp_path / "out", "--break", "layout")
+    assert status == 0, err
+    moved = float(stdout.split("largest difference from model.py ")[1].split()[0])
+    assert moved > 1.0 and "parts from cached.py after" in stdout
     assert not (tmp_path / "out").exists()
 
 
@@ -140,11 +142,11 @@ def test_config_json_carries_what_transformers_4_reads(shipped, tmp_path):
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
-def test_break_rotary_shows_what_transformers_4_makes_of_a_folder_without_rotary_pct(tmp_path):
-    run = run_export("holmes.pt", tmp_path / "out", "--break", "rotary")
-    assert run.returncode == 0, run.stderr
-    assert float(run.stdout.split("largest difference from model.py ")[1].split()[0]) > 1.0
-    assert "parts from cached.py after" in run.stdout and not (tmp_path / "out").exists()
+def test_break_rotary_shows_what_transformers_4_makes_of_a_folder_without_rotary_pct(tmp_path, run_export):
+    status, stdout, err = run_export("holmes.pt", tmp_path / "out", "--break", "rotary")
+    assert status == 0, err
+    assert float(stdout.split("largest difference from model.py ")[1].split()[0]) > 1.0
+    assert "parts from cached.py after" in stdout and not (tmp_path / "out").exists()
 
 
 def sha256s(folder):
@@ -311,10 +313,10 @@ def test_a_file_size_limit_while_exporting_is_one_line_and_leaves_the_previous_e
     assert sha256s(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "out"]
 
 
-def test_force_replaces_a_previous_export_whole(tmp_path):
+def test_force_replaces_a_previous_export_whole(tmp_path, run_export):
     out = a_previous_export(tmp_path / "holmes-hf")
-    run = run_export("holmes.pt", out, "--force")
-    assert run.returncode == 0, run.stderr
+    status, _, err = run_export("holmes.pt", out, "--force")
+    assert status == 0, err
     assert (out / "config.json").read_text().startswith("{") and (out / "generation_config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["holmes-hf"]  # no temporary folder left
 

@@ -76,6 +76,16 @@ def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens_at_
     assert_eager_tokens(engine, model, batch)
 
 
+def test_one_compile_per_batch_serves_every_prompt_and_length(kept):
+    model, _, engine = kept
+    for batch in BATCHES:
+        for prompt, n in ((PROMPT, 12), (PROMPT[:3], 5), (PROMPT[:1], SMALL.context + 8)):  # the last past the window
+            for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+                eager = Engine(model).generate_batch(prompt, batch, max_tokens=n, **knobs)[0]
+                assert engine.generate_batch(prompt, batch, max_tokens=n, **knobs)[0] == eager
+    assert sorted(engine.compile_seconds) == list(BATCHES) and sorted(engine.steps) == list(BATCHES)
+
+
 def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_eager_tokens(kept, light,
                                                                                          monkeypatch, capsys):
     model, folder, first = kept
@@ -219,18 +229,18 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_t
 
 
 def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_steps_load_only_it(
-        monkeypatch, tmp_path):
+        kept, monkeypatch):
     ways = AS_SET["cpu"]
     monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
-    model = small()
-    engine = FastEngine(model, compile=True, compile_cache=tmp_path)
+    model, folder, _ = kept  # a way whose package is kept there already (the plain one) is loaded, not compiled
+    engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(1)
     step = engine.steps[1]
     assert not step.loaded and set(step.way_ms) == set(ways) and len(ways) > 1
     assert step.way == min(step.way_ms, key=step.way_ms.get)
     assert_eager_tokens(engine, model, 1)
     keys = [step_key(model, step.cache, o) for o in ways.values()]
-    choice = kernels.choice_path(str(tmp_path), keys)
+    choice = kernels.choice_path(str(folder), keys)
     never_compile(monkeypatch)
     monkeypatch.setattr(kernels.DecodeStep, "_time_ways", lambda *args: pytest.fail("timed again"))
     loaded = []
@@ -239,9 +249,9 @@ def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_
     for faster in ways:  # whichever was measured faster here is the only one loaded, and runs
         os.remove(choice)
         kernels.keep_choice(choice, {name: 1.0 if name == faster else 2.0 for name in ways})
-        engine = FastEngine(model, compile=True, compile_cache=tmp_path)
+        engine = FastEngine(model, compile=True, compile_cache=folder)
         engine.prepare(1)
-        package = kernels.package_path(str(tmp_path), step_key(model, engine.steps[1].cache, ways[faster]))
+        package = kernels.package_path(str(folder), step_key(model, engine.steps[1].cache, ways[faster]))
         assert engine.steps[1].way == faster and engine.steps[1].package == package and loaded[-1:] == [package]
         assert_eager_tokens(engine, model, 1)
         loaded.clear()
@@ -249,7 +259,7 @@ def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_
         f.write("{not json")  # unreadable: timed again, and left as it is
     monkeypatch.undo()
     monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
-    engine = FastEngine(model, compile=True, compile_cache=tmp_path)
+    engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(1)
     assert engine.steps[1].loaded and set(engine.steps[1].way_ms) == set(ways)
     assert open(choice).read() == "{not json"

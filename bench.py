@@ -327,6 +327,12 @@ def table_post(model, device, sizes, runs, whole, bandwidth, out):
           f"x {cfg.context} tokens x {cfg.d_model} d_model x {item} bytes = {formula / 2**20:.2f} MiB)")
 
 
+def untrained_model(device):
+    """The speed tables' model: Part 3's, with seeded random weights (speed does not depend on training)."""
+    torch.manual_seed(0)
+    return CachedGPT().to(device).eval()
+
+
 def engine_forms(model):
     """The Engine as tables 4 and 6 run it: default, compiled, bfloat16, int8 weights and int8 compiled;
     each compiled form compiles once per batch."""
@@ -762,8 +768,7 @@ def main():
             raise ValueError(f"--tokens must be at least 8 (the warm-up's length), got {min(args.tokens)}")
         sizes = sizes | {"lengths": tuple(args.tokens)}
 
-    torch.manual_seed(0)
-    model = CachedGPT().to(device).eval()
+    model = untrained_model(device)
     engines = engine_forms(model) if tables & set("46") else {}
     info = machine(device)
     bandwidth = info["read_bytes_per_s"] = read_bandwidth(device)

@@ -1,13 +1,15 @@
 """What several test files share: the shipped files' guard, running a script's main in-process as a
 real run shows it, train.py's small runs, Part 3's checkpoint format written without model.py, texts
-that a tokenizer or an exported model must round-trip; and where every test runs: in the repository's
-folder, with a compile cache of the suite's own."""
+that a tokenizer or an exported model must round-trip; one small model's decode step compiled once for
+the tests that compile; and where every test runs: in the repository's folder, with a compile cache of
+the suite's own."""
 import functools
 import hashlib
 import os
 import shutil
 import signal
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -200,3 +202,37 @@ def one_plain_compile_way():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "COMPILE_WAYS", {device: {"plain": {}} for device in kernels.COMPILE_WAYS})
         yield
+
+
+# The model whose decode step the suite compiles: small, so a compile takes seconds, with the shipped
+# tokenizer's vocabulary, so the serving engines run it too. Compiling is the suite's costliest work,
+# so what the tests compile is compiled once, here, and what they compile beyond it is loaded after.
+COMPILED = Config(d_model=64, n_heads=4, n_layers=2, context=32)
+COMPILED_BATCHES = (1, 3)
+
+
+def compiled_model():
+    from cached import CachedGPT
+    torch.manual_seed(0)
+    model = CachedGPT(COMPILED).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10)  # untrained scores are too flat for sampled tokens to say much
+    return model
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory, one_plain_compile_way):
+    """compiled_model()'s step compiled for COMPILED_BATCHES in float32 and for one row in int8, into a compile
+    cache of its own: `folder`, the default one when XDG_CACHE_HOME is `home`. f32 and int8: the Engines that
+    compiled them."""
+    from kernels import FastEngine
+    home = tmp_path_factory.mktemp("compiled")
+    folder = home / "tiny-gpt"
+    model = compiled_model()
+    f32 = FastEngine(model, compile=True, compile_cache=folder)
+    for batch in COMPILED_BATCHES:
+        f32.prepare(batch)
+    int8 = FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder)
+    int8.prepare(1)
+    return SimpleNamespace(model=model, home=home, folder=folder, f32=f32, int8=int8)

@@ -32,8 +32,11 @@ def positive_numbers(node, path="report"):
 
 
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
-def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path, monkeypatch, capsys):
+def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, tmp_path, monkeypatch, capsys):
     out, threads = tmp_path / "bench.json", torch.get_num_threads()
+    # conftest's model, whose steps are compiled once for the suite: tables 4 and 6 load them
+    monkeypatch.setattr(bench, "untrained_model", lambda device: compiled.model)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(compiled.home))
     # one batch: each more is two more compiles (tables 4 and 6) and three more rounds of every engine;
     # more rows than one are checked in test_compile_cache, test_export_engines and the tests below
     monkeypatch.setattr(bench, "QUICK", bench.QUICK | {"batches": (1,)})
@@ -51,7 +54,9 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(tmp_path, 
     loops = ("no_cache", "cache", "whole_no_cache", "whole_cache")
     assert all(set(r) == {"batch", "tokens", *loops, *(m + "_spread" for m in loops), *read_by(loops[:2])}
                for r in post["rows"])
-    assert post["cache"] == {"tokens": 256, "measured_bytes": 3 * 2**20, "formula_bytes": 3 * 2**20}
+    cfg = compiled.model.cfg  # a full window: 2 (k, v) x layers x tokens x d_model x 4 bytes
+    full = 2 * cfg.n_layers * cfg.context * cfg.d_model * 4
+    assert post["cache"] == {"tokens": cfg.context, "measured_bytes": full, "formula_bytes": full}
     engines = ("engine", "engine_compiled", "engine_bf16", "engine_int8", "engine_int8_compiled")
     methods = ("no_cache", "cached", *engines)
     decode_keys = {"batch", "tokens", "compile_seconds", "int8_compile_seconds", *methods,

@@ -369,7 +369,11 @@ def run_writer(script, tmp_path, *flags, monkeypatch, capsys, during=lambda: Non
         monkeypatch.setattr(BPE, "train", lambda *args, **kwargs: (during(), real_train(*args, **kwargs))[1])
         argv, main = ["bpe.py", "corpus.txt", "--vocab", "300", "--out", "tok.json"], bpe_module.main
     else:
-        monkeypatch.setattr(bench, "engine_forms", lambda model: {})  # table 1 needs no Engine
+        # what is tested is the writing of bench.json: the model, the Engines and the bandwidth it measures
+        # first (a second's work) are not what table 1 needs
+        monkeypatch.setattr(bench, "untrained_model", lambda device: None)
+        monkeypatch.setattr(bench, "engine_forms", lambda model: {})
+        monkeypatch.setattr(bench, "read_bandwidth", lambda device: 1e10)
         monkeypatch.setattr(bench, "table_memory", lambda device, out: during())
         argv, main = ["bench.py", "cpu", "--tables", "1", "--json", "bench.json"], bench.main
     return run_main(main, [*argv, *flags], monkeypatch, capsys)

@@ -12,43 +12,26 @@ import pytest
 import torch
 
 import kernels
-from cached import CachedGPT, break_on_purpose
+from cached import break_on_purpose
 from cli import run_cli
 from kernels import FastEngine, compiler_missing, step_key
-from model import Config
+from conftest import COMPILED, COMPILED_BATCHES, compiled_model
 from prefill_clone import Engine, KVCache
 
 pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 
-SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
+SMALL, small, BATCHES = COMPILED, compiled_model, COMPILED_BATCHES
 PROMPT = [5, 17, 300, 42, 9]
-BATCHES = (1, 3)
 # inductor's plain settings, one way: the tests check what is kept and loaded, and compiling with the
-# autotuner costs a minute or more a batch here (the last tests compile the ways as set)
+# autotuner costs a minute or more a batch here (the last test compiles the ways as set)
 LIGHT = {"cpu": {"plain": {}}}
 AS_SET = kernels.COMPILE_WAYS  # read when the module is imported, before conftest's one_plain_compile_way
 
 
-def small():
-    torch.manual_seed(0)
-    model = CachedGPT(SMALL).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(10)  # untrained scores are too flat for sampled tokens to say much
-    return model
-
-
-@pytest.fixture(scope="module")
-def kept(tmp_path_factory):
-    """One model, its step compiled for each of BATCHES into a folder of its own: (model, folder, engine)."""
-    folder = tmp_path_factory.mktemp("compiled")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "COMPILE_WAYS", LIGHT)
-        model = small()
-        engine = FastEngine(model, compile=True, compile_cache=folder)
-        for batch in BATCHES:
-            engine.prepare(batch)
-        yield model, folder, engine
+@pytest.fixture
+def kept(compiled):
+    """conftest's model, its step compiled for each of BATCHES into a folder of its own: (model, folder, engine)."""
+    return compiled.model, compiled.folder, compiled.f32
 
 
 @pytest.fixture

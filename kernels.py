@@ -348,8 +348,6 @@ def add_speed_flags(ap):
 def speed_flags(args):
     """The Engine's compile, compile cache and dtype from those flags, all checked before any checkpoint is read."""
     device = device_from(args.device)
-    if args.compile:
-        check_compiler(device)
     cache = check_compile_cache(args.compile_cache) if args.compile else args.compile_cache
     return dict(compile=args.compile, compile_cache=cache, dtype=check_dtype(args.dtype, device))
 
@@ -590,7 +588,6 @@ class DecodeStep:
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
         self.loaded, self.package, self.way, self.way_ms = False, None, None, {}
         if compile:
-            check_compiler(cache.k.device)
             started = time.perf_counter()
             self.run = self._compiled(options, check_compile_cache(compile_cache))
             self._rehearse(self.run)  # a loaded package prepares its weights on its first calls: not in a timing
@@ -640,6 +637,8 @@ class DecodeStep:
                 return runner, path, True
             say(f"{rows}: {shown(path)} cannot be used ({unusable}); compiling anew and leaving that "
                 "file as it is (delete it to keep the new one there)")
+        # a kept step loads without a C++ compiler; only compiling needs one
+        check_compiler(self.cache.k.device, f"or run without compiling (no compiled step is kept at {shown(path)})")
         say(f"{rows}: compiling (a minute or so), to keep in {shown(path)}")
         package = io.BytesIO()
         with torch.no_grad(), warnings.catch_warnings():
@@ -742,8 +741,6 @@ class FastEngine(Engine):
             if compile:
                 raise ValueError(f"kernel {kernel!r} with compile=True: inductor picks the compiled step's kernels; "
                                  "leave kernel='auto'")
-        if compile:
-            check_compiler(device, "or make the Engine without compile=True")
         if dtype == torch.int8:
             ready = quantized(model)
         else:

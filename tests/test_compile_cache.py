@@ -84,6 +84,21 @@ def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_ea
         assert open(step.package, "rb").read() == kept_bytes[batch]
 
 
+def test_a_kept_step_loads_without_a_cpp_compiler_and_one_to_compile_is_refused_in_one_line(kept, light,
+                                                                                             monkeypatch):
+    model, folder, _ = kept
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-c++"))
+    never_compile(monkeypatch)
+    engine = FastEngine(model, compile=True, compile_cache=folder)
+    assert_eager_tokens(engine, model, 1)
+    assert engine.steps[1].loaded
+    with pytest.raises(ValueError, match=r"^compiling on the CPU needs the C\+\+ compiler inductor builds its kernels "
+                                         r"with \(no-such-c\+\+\).*, or run without compiling \(no compiled step is "
+                                         r"kept at .*decode-step-\w+\.pt2\)$") as refused:
+        engine.prepare(2)  # no step kept for two rows
+    assert len(str(refused.value).splitlines()) == 1
+
+
 def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
     model = small()
     cache = KVCache.for_model(model, 1, SMALL.context)

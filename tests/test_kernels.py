@@ -105,8 +105,8 @@ def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-c++"))
     assert "C++ compiler inductor builds its kernels with (no-such-c++)" in kernels.compiler_missing("cpu")
     with pytest.raises(ValueError, match=r"\(no-such-c\+\+\), and there is none here; install one "
-                                         r"\(apt-get install g\+\+\) or name one in CXX, or make the Engine "
-                                         r"without compile=True"):
+                                         r"\(apt-get install g\+\+\) or name one in CXX, or run without "
+                                         r"compiling \(no compiled step is kept at "):
         FastEngine(CachedGPT(SMALL).eval(), compile=True).generate_batch([1, 2], 2, max_tokens=3)
     run = run_main(sample_grid.main, ["sample_grid.py", "--compile"], monkeypatch, capsys)
     assert_refused(run, "sample_grid.py: error: compiling on the CPU needs the C++ compiler")

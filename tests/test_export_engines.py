@@ -3,7 +3,6 @@
 Outside CI an engine that is not installed skips its tests, naming requirements-serve.txt;
 in CI (CI=true) it fails them.
 """
-import ctypes
 import importlib
 import json
 import os
@@ -15,6 +14,7 @@ import urllib.request
 
 import pytest
 import torch
+from children import ct2_greedy_as_it_loads, segfault
 from conftest import ODD_TEXTS
 
 import export
@@ -160,14 +160,6 @@ def test_llama_cpps_openai_server_completes_the_prompt_with_cached_pys_text(cli_
             server.wait()
 
 
-def ct2_greedy_as_it_loads(path, start):
-    """100 greedy ids from a CTranslate2 folder loaded with no argument but the folder."""
-    import ctranslate2
-    result = ctranslate2.Generator(str(path)).generate_batch([start], max_length=100, min_length=100,
-                                                             sampling_topk=1, include_prompt_in_result=False)
-    return result[0].sequences_ids[0]
-
-
 def test_ctranslate2_float32_greedy_is_cached_pys_for_100_tokens(cli_run, holmes):
     needs("ctranslate2")
     path = cli_run[1] / "holmes-ct2"
@@ -181,10 +173,6 @@ def test_llama_cpp_loads_without_repacking_where_it_uses_amx(monkeypatch):
     for info, repacks in ((b"AVX2 = 1 | AMX_INT8 = 1 | ", False), (b"AVX2 = 1 | AMX_INT8 = 0 | ", True)):
         monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda info=info: info)
         assert serve.llama_model_params(llama_cpp).use_extra_bufts is repacks
-
-
-def segfault(*args):
-    ctypes.string_at(0)
 
 
 def test_a_crashing_engine_ends_export_py_in_one_line_and_leaves_nothing(holmes, tmp_path, monkeypatch, capsys):

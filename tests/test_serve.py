@@ -1,18 +1,10 @@
 """serve.isolated: an engine runs in a process of its own, so its native crash is one error, never this process's end."""
-import ctypes
 import os
 
 import pytest
 
 import serve
-
-
-def segfault():
-    ctypes.string_at(0)  # reads address 0: SIGSEGV, as a crashing native library would
-
-
-def refuse(message):
-    raise ValueError(message)
+from children import refuse, segfault
 
 
 def test_a_native_crash_comes_back_as_one_error_naming_the_engine_and_the_signal():

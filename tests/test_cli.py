@@ -1,4 +1,5 @@
 """cli.py: nothing lost, nothing read forever, one line for every refusal, progress that suits its reader."""
+import ast
 import errno
 import functools
 import hashlib
@@ -247,9 +248,24 @@ def test_the_lessons_files_import_nothing_of_the_command_line():
     assert run.stdout.split() == ["False", "False"], run.stderr
 
 
-@pytest.mark.parametrize("script", ["bench.py", "bpe.py", "cached.py", "export.py", "kernels.py",
-                                    "prefill_clone.py", "sample_grid.py", "train.py"])
-def test_every_script_says_a_bad_torch_logs_in_one_line(script):
+SCRIPTS = ["bench.py", "bpe.py", "cached.py", "export.py", "kernels.py", "prefill_clone.py", "sample_grid.py",
+           "train.py"]  # model.py and sampling.py, the lesson's, import cli only in their main
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_imports_cli_before_any_module_that_may_import_torch(script):
+    """What makes each script's failing `import torch` one line (cli.startup_failure, shown for real below):
+    its first import of torch or of a module of this repo (any of which may import torch) is cli's."""
+    imports = [node for node in ast.parse(open(os.path.join(ROOT, script)).read()).body
+               if isinstance(node, (ast.Import, ast.ImportFrom))]
+    names = [alias.name if isinstance(node, ast.Import) else node.module for node in imports for alias in (
+        node.names if isinstance(node, ast.Import) else node.names[:1])]
+    top = [name.split(".")[0] for name in names]
+    assert next(name for name in top if name == "torch" or os.path.exists(os.path.join(ROOT, name + ".py"))) == "cli"
+
+
+@pytest.mark.parametrize("script", ["cached.py", "train.py"])
+def test_a_script_says_a_bad_torch_logs_in_one_line(script):
     """A new interpreter: the import of torch, before any main, is the subject."""
     proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "TORCH_LOGS": "bogus"})

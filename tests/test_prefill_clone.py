@@ -1,6 +1,4 @@
 """prefill_clone.py: one prefill cloned into N rows gives what N separate runs give."""
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -222,12 +220,12 @@ def test_bad_input_is_named(call, message):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_cli_prints_the_samples_and_one_line_of_timing(dtype):
-    cmd = [sys.executable, "prefill_clone.py", "-n", "2", "--tokens", "4", "--dtype", dtype]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert "--- sample 1 (seed 1)" in run.stdout and "--- sample 2" not in run.stdout
-    last = run.stdout.splitlines()[-1]
+def test_cli_prints_the_samples_and_one_line_of_timing(dtype, monkeypatch, capsys):
+    status, stdout, err = run_main(prefill_clone.main, ["prefill_clone.py", "-n", "2", "--tokens", "4", "--dtype", dtype],
+                                   monkeypatch, capsys)
+    assert status == 0, err
+    assert "--- sample 1 (seed 1)" in stdout and "--- sample 2" not in stdout
+    last = stdout.splitlines()[-1]
     assert last.startswith("prompt 21 tokens, 2 samples x 4 tokens: first token in ") and f"(cpu, {dtype}, " in last
 
 

@@ -12,7 +12,7 @@ import torch
 import bench
 from cached import load
 from kernels import compiler_missing
-from conftest import assert_refused, run_main
+from conftest import COMPILED_ROWS, assert_refused, run_main
 
 
 def read_by(keys):
@@ -37,9 +37,9 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     # conftest's model, whose steps are compiled once for the suite: tables 4 and 6 load them
     monkeypatch.setattr(bench, "untrained_model", lambda device: compiled.model)
     monkeypatch.setenv("XDG_CACHE_HOME", str(compiled.home))
-    # one batch: each more is two more compiles (tables 4 and 6) and three more rounds of every engine;
-    # more rows than one are checked in test_compile_cache, test_export_engines and the tests below
-    monkeypatch.setattr(bench, "QUICK", bench.QUICK | {"batches": (1,)})
+    # one batch, the rows conftest's steps are compiled for: each batch more is two more compiles (tables 4
+    # and 6) and three more rounds of every engine
+    monkeypatch.setattr(bench, "QUICK", bench.QUICK | {"batches": (COMPILED_ROWS,)})
     try:
         status, stdout, err = run_main(bench.main, ["bench.py", "cpu", "2", "--quick", "--all", "--whole", "--tokens",
                                                     "8", "--json", out], monkeypatch, capsys)
@@ -50,7 +50,7 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     assert report["machine"]["device"] == "cpu" and report["machine"]["threads"] == 2
     assert report["machine"]["torch"] == torch.__version__ and report["machine"]["read_bytes_per_s"] > 0
     post = report["post"]
-    assert post["step_counts"] == [8, 15] and [(r["batch"], r["tokens"]) for r in post["rows"]] == [(1, 8)]
+    assert post["step_counts"] == [8, 15] and [(r["batch"], r["tokens"]) for r in post["rows"]] == [(COMPILED_ROWS, 8)]
     loops = ("no_cache", "cache", "whole_no_cache", "whole_cache")
     assert all(set(r) == {"batch", "tokens", *loops, *(m + "_spread" for m in loops), *read_by(loops[:2])}
                for r in post["rows"])
@@ -67,7 +67,7 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     assert [r["measured_bytes"] for r in report["memory"]] == [3 * 2**20, 3 * 2**20 // 4]
     clone_keys = {"prompt", "n", "tokens", "separate_ms", "clone_ms", "separate_s", "clone_s"}
     assert len(report["prefill_clone"]) == 4 and all(set(r) == clone_keys for r in report["prefill_clone"])
-    assert [r["batch"] for r in report["kernels"]] == [1]
+    assert [r["batch"] for r in report["kernels"]] == [COMPILED_ROWS]
     for r in report["kernels"]:  # every exact candidate timed, the lone-row ones only for a lone row
         # --quick leaves out the batch-1 step compiled both ways (two more compiles)
         assert set(r) == {"batch", "kernels_ms", "chosen", "step_ms_chosen", "step_ms_nn"}
@@ -80,7 +80,7 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     installed = set(bench.PEERS) - set(bench.missing_peers(torch.device("cpu")))  # the serving engines here
     ran = {*engines, *installed}
     columns = {"batch", "tokens", *ran, *read_by(ran)}
-    assert [r["batch"] for r in report["peers"]] == [1] and all(set(r) == columns for r in report["peers"])
+    assert [r["batch"] for r in report["peers"]] == [COMPILED_ROWS] and all(set(r) == columns for r in report["peers"])
     drifts = report["peers_drift"]  # where each parts from the float32 Engine, the compiled forms left out
     assert set(drifts) == {"engine_bf16", "engine_int8", *installed}
     assert all(d is None or 0 <= d < 16 for d in drifts.values())

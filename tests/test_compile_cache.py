@@ -15,12 +15,12 @@ import kernels
 from cached import break_on_purpose
 from cli import run_cli
 from kernels import FastEngine, compiler_missing, step_key
-from conftest import COMPILED, COMPILED_BATCHES, compiled_model
+from conftest import COMPILED, COMPILED_ROWS, compiled_model
 from prefill_clone import Engine, KVCache
 
 pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 
-SMALL, small, BATCHES = COMPILED, compiled_model, COMPILED_BATCHES
+SMALL, small, B = COMPILED, compiled_model, COMPILED_ROWS  # B: the rows the kept step was compiled for
 PROMPT = [5, 17, 300, 42, 9]
 # inductor's plain settings, one way: the tests check what is kept and loaded, and compiling with the
 # autotuner costs a minute or more a batch here (the last test compiles the ways as set)
@@ -30,7 +30,7 @@ AS_SET = kernels.COMPILE_WAYS  # read when the module is imported, before confte
 
 @pytest.fixture
 def kept(compiled):
-    """conftest's model, its step compiled for each of BATCHES into a folder of its own: (model, folder, engine)."""
+    """conftest's model, its step compiled for B rows into a folder of its own: (model, folder, engine)."""
     return compiled.model, compiled.folder, compiled.f32
 
 
@@ -51,37 +51,34 @@ def assert_eager_tokens(engine, model, batch):
         assert engine.generate_batch(PROMPT, batch, max_tokens=SMALL.context - len(PROMPT), **knobs)[0] == eager
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens_at_every_step(kept, batch):
+def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens_at_every_step(kept):
     model, folder, engine = kept
-    step = engine.steps[batch]
+    step = engine.steps[B]
     assert not step.loaded and step.package.startswith(str(folder))
-    assert_eager_tokens(engine, model, batch)
+    assert_eager_tokens(engine, model, B)
 
 
 def test_one_compile_per_batch_serves_every_prompt_and_length(kept):
     model, _, engine = kept
-    for batch in BATCHES:
-        for prompt, n in ((PROMPT, 12), (PROMPT[:3], 5), (PROMPT[:1], SMALL.context + 8)):  # the last past the window
-            for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
-                eager = Engine(model).generate_batch(prompt, batch, max_tokens=n, **knobs)[0]
-                assert engine.generate_batch(prompt, batch, max_tokens=n, **knobs)[0] == eager
-    assert sorted(engine.compile_seconds) == list(BATCHES) and sorted(engine.steps) == list(BATCHES)
+    for prompt, n in ((PROMPT, 12), (PROMPT[:3], 5), (PROMPT[:1], SMALL.context + 8)):  # the last past the window
+        for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+            eager = Engine(model).generate_batch(prompt, B, max_tokens=n, **knobs)[0]
+            assert engine.generate_batch(prompt, B, max_tokens=n, **knobs)[0] == eager
+    assert list(engine.compile_seconds) == list(engine.steps) == [B]
 
 
 def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_eager_tokens(kept, light,
                                                                                          monkeypatch, capsys):
     model, folder, first = kept
     never_compile(monkeypatch)
-    kept_bytes = {b: open(first.steps[b].package, "rb").read() for b in BATCHES}
+    kept_bytes = open(first.steps[B].package, "rb").read()
     engine = FastEngine(model, compile=True, compile_cache=folder)
-    for batch in BATCHES:
-        engine.prepare(batch)
-        step = engine.steps[batch]
-        assert step.loaded and step.package == first.steps[batch].package
-        assert f"for {batch} rows: loaded from {step.package}" in capsys.readouterr().err
-        assert_eager_tokens(engine, model, batch)
-        assert open(step.package, "rb").read() == kept_bytes[batch]
+    engine.prepare(B)
+    step = engine.steps[B]
+    assert step.loaded and step.package == first.steps[B].package
+    assert f"for {B} rows: loaded from {step.package}" in capsys.readouterr().err
+    assert_eager_tokens(engine, model, B)
+    assert open(step.package, "rb").read() == kept_bytes
 
 
 def test_a_kept_step_loads_without_a_cpp_compiler_and_one_to_compile_is_refused_in_one_line(kept, light,
@@ -90,8 +87,8 @@ def test_a_kept_step_loads_without_a_cpp_compiler_and_one_to_compile_is_refused_
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-c++"))
     never_compile(monkeypatch)
     engine = FastEngine(model, compile=True, compile_cache=folder)
-    assert_eager_tokens(engine, model, 1)
-    assert engine.steps[1].loaded
+    assert_eager_tokens(engine, model, B)
+    assert engine.steps[B].loaded
     with pytest.raises(ValueError, match=r"^compiling on the CPU needs the C\+\+ compiler inductor builds its kernels "
                                          r"with \(no-such-c\+\+\).*, or run without compiling \(no compiled step is "
                                          r"kept at .*decode-step-\w+\.pt2\)$") as refused:
@@ -134,12 +131,12 @@ def test_weights_changed_in_place_are_refused_by_the_engine_and_compiled_anew_by
     model, folder, _ = kept
     model = copy.deepcopy(model)  # the same weights: the kept step serves it
     engine = FastEngine(model, compile=True, compile_cache=folder)
-    engine.prepare(1)
-    assert engine.steps[1].loaded
+    engine.prepare(B)
+    assert engine.steps[B].loaded
     with torch.no_grad():
         model.norm.weight.mul_(2)
     with pytest.raises(ValueError, match="weights changed after this Engine was made"):
-        engine.generate_batch(PROMPT, 1, max_tokens=3)
+        engine.generate_batch(PROMPT, B, max_tokens=3)
 
     class Compiles(Exception):
         pass
@@ -148,7 +145,7 @@ def test_weights_changed_in_place_are_refused_by_the_engine_and_compiled_anew_by
         raise Compiles
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiles)
     with pytest.raises(Compiles):
-        FastEngine(model, compile=True, compile_cache=folder).prepare(1)
+        FastEngine(model, compile=True, compile_cache=folder).prepare(B)
 
 
 def damaged(good, other):
@@ -156,44 +153,45 @@ def damaged(good, other):
     flipped = bytearray(good)
     flipped[len(flipped) // 2] ^= 0xFF
     return {"truncated": good[:len(good) // 2], "a flipped bit": bytes(flipped), "not a zip": b"hello",
-            "another batch's package": other}
+            "another key's package": other}
 
 
-@pytest.mark.parametrize("what", ["truncated", "a flipped bit", "not a zip", "another batch's package"])
+@pytest.mark.parametrize("what", ["truncated", "a flipped bit", "not a zip", "another key's package"])
 def test_a_damaged_or_foreign_package_is_said_in_one_line_left_as_it_is_and_compiled_anew(
-        kept, light, what, tmp_path, monkeypatch, capsys):
+        kept, compiled, light, what, tmp_path, monkeypatch, capsys):
     model, folder, first = kept
-    path = tmp_path / first.steps[1].package.rsplit("/", 1)[1]
-    good = open(first.steps[1].package, "rb").read()
-    path.write_bytes(damaged(good, open(first.steps[3].package, "rb").read())[what])
+    path = tmp_path / first.steps[B].package.rsplit("/", 1)[1]
+    good = open(first.steps[B].package, "rb").read()
+    int8 = open(compiled.int8.steps[B].package, "rb").read()  # the same rows, int8 weights: another key
+    path.write_bytes(damaged(good, int8)[what])
     before = path.read_bytes()
 
-    def compiled(program, package_path, inductor_configs):  # what compiling batch 1 again makes, at once
+    def compile_again(program, package_path, inductor_configs):  # what compiling this step again makes, at once
         package_path.write(good)
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiled)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_again)
     engine = FastEngine(model, compile=True, compile_cache=tmp_path)
-    engine.prepare(1)
+    engine.prepare(B)
     said = [line for line in capsys.readouterr().err.splitlines() if "cannot be used" in line]
     assert len(said) == 1 and said[0].endswith("compiling anew and leaving that file as it is (delete it to keep "
                                                "the new one there)")
-    assert not engine.steps[1].loaded and path.read_bytes() == before
+    assert not engine.steps[B].loaded and path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary file left behind
-    assert_eager_tokens(engine, model, 1)
+    assert_eager_tokens(engine, model, B)
 
 
 def test_a_package_another_run_kept_while_this_one_compiled_is_left_as_it_is(kept, light, tmp_path, monkeypatch):
     model, folder, first = kept
-    good = open(first.steps[1].package, "rb").read()
-    path = tmp_path / first.steps[1].package.rsplit("/", 1)[1]
+    good = open(first.steps[B].package, "rb").read()
+    path = tmp_path / first.steps[B].package.rsplit("/", 1)[1]
 
     def compiled(program, package_path, inductor_configs):
         path.write_bytes(good + b"")  # the other run's, renamed into place first
         package_path.write(good)
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiled)
     engine = FastEngine(model, compile=True, compile_cache=tmp_path)
-    engine.prepare(1)
+    engine.prepare(B)
     assert path.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
-    assert_eager_tokens(engine, model, 1)
+    assert_eager_tokens(engine, model, B)
 
 
 def test_a_step_that_computes_something_else_is_refused_in_one_line(kept, light, tmp_path, monkeypatch):
@@ -203,13 +201,13 @@ def test_a_step_that_computes_something_else_is_refused_in_one_line(kept, light,
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.norm.weight.mul_(2)
-    made_for = step_key(model, first.steps[1].cache, LIGHT["cpu"]["plain"])
+    made_for = step_key(model, first.steps[B].cache, LIGHT["cpu"]["plain"])
     monkeypatch.setattr(kernels, "step_key", lambda *args: made_for)  # the other model's key were the first's
-    shutil.copy(first.steps[1].package, tmp_path)
+    shutil.copy(first.steps[B].package, tmp_path)
     never_compile(monkeypatch)
     with pytest.raises(RuntimeError, match=r"the compiled decode step \(.*\) does not compute what the eager "
                                            r"step does; delete that file and run again") as refused:
-        FastEngine(other, compile=True, compile_cache=tmp_path).prepare(1)
+        FastEngine(other, compile=True, compile_cache=tmp_path).prepare(B)
     assert len(str(refused.value).splitlines()) == 1
 
 
@@ -232,11 +230,11 @@ def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_
     monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
     model, folder, _ = kept  # a way whose package is kept there already (the plain one) is loaded, not compiled
     engine = FastEngine(model, compile=True, compile_cache=folder)
-    engine.prepare(1)
-    step = engine.steps[1]
+    engine.prepare(B)
+    step = engine.steps[B]
     assert not step.loaded and set(step.way_ms) == set(ways) and len(ways) > 1
     assert step.way == min(step.way_ms, key=step.way_ms.get)
-    assert_eager_tokens(engine, model, 1)
+    assert_eager_tokens(engine, model, B)
     keys = [step_key(model, step.cache, o) for o in ways.values()]
     choice = kernels.choice_path(str(folder), keys)
     never_compile(monkeypatch)
@@ -248,16 +246,16 @@ def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_
         os.remove(choice)
         kernels.keep_choice(choice, {name: 1.0 if name == faster else 2.0 for name in ways})
         engine = FastEngine(model, compile=True, compile_cache=folder)
-        engine.prepare(1)
-        package = kernels.package_path(str(folder), step_key(model, engine.steps[1].cache, ways[faster]))
-        assert engine.steps[1].way == faster and engine.steps[1].package == package and loaded[-1:] == [package]
-        assert_eager_tokens(engine, model, 1)
+        engine.prepare(B)
+        package = kernels.package_path(str(folder), step_key(model, engine.steps[B].cache, ways[faster]))
+        assert engine.steps[B].way == faster and engine.steps[B].package == package and loaded[-1:] == [package]
+        assert_eager_tokens(engine, model, B)
         loaded.clear()
     with open(choice, "w") as f:
         f.write("{not json")  # unreadable: timed again, and left as it is
     monkeypatch.undo()
     monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
     engine = FastEngine(model, compile=True, compile_cache=folder)
-    engine.prepare(1)
-    assert engine.steps[1].loaded and set(engine.steps[1].way_ms) == set(ways)
+    engine.prepare(B)
+    assert engine.steps[B].loaded and set(engine.steps[B].way_ms) == set(ways)
     assert open(choice).read() == "{not json"

@@ -5,7 +5,7 @@ import torch
 import kernels
 import sample_grid
 from cached import CachedGPT
-from conftest import assert_refused, run_main
+from conftest import COMPILED_ROWS, assert_refused, run_main
 from kernels import INT8_KERNELS, KERNELS, FastEngine, Int8Linear, KernelLinear, choose, time_kernels, with_kernel
 from model import Config
 
@@ -186,11 +186,11 @@ def test_where_torchs_int8_kernel_does_not_run_the_int8_engine_falls_back_to_deq
 
 @pytest.mark.skipif(bool(kernels.compiler_missing("cpu")), reason=str(kernels.compiler_missing("cpu")))
 def test_the_compiled_int8_engine_gives_the_eager_int8_tokens(compiled):
-    eager = FastEngine(compiled.model, dtype=torch.int8)
+    eager, rows = FastEngine(compiled.model, dtype=torch.int8), COMPILED_ROWS
     for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
-        assert compiled.int8.generate_batch([5, 17, 300], 1, max_tokens=40, **knobs) == \
-            eager.generate_batch([5, 17, 300], 1, max_tokens=40, **knobs)  # past the window
-    assert list(compiled.int8.compile_seconds) == [1] and not compiled.int8.steps[1].loaded
+        assert compiled.int8.generate_batch([5, 17, 300], rows, max_tokens=40, **knobs) == \
+            eager.generate_batch([5, 17, 300], rows, max_tokens=40, **knobs)  # past the window
+    assert list(compiled.int8.compile_seconds) == [rows] and not compiled.int8.steps[rows].loaded
 
 
 @pytest.mark.parametrize("batch, message", [

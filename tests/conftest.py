@@ -3,8 +3,10 @@ real run shows it, train.py's small runs, Part 3's checkpoint format written wit
 that a tokenizer or an exported model must round-trip; one small model's decode step compiled once for
 the tests that compile; and where every test runs: in the repository's folder, with a compile cache of
 the suite's own."""
+import contextlib
 import functools
 import hashlib
+import io
 import os
 import shutil
 import signal
@@ -42,19 +44,32 @@ def shipped_unchanged():
     assert {name: sha256(os.path.join(ROOT, name)) for name in SHIPPED} == before
 
 
-def run_main(main, argv, monkeypatch, capsys):
-    """A script run in-process through run_cli: (exit status, stdout, stderr as a real run shows them)."""
+def exit_status(main, argv, monkeypatch):
+    """(exit status, the message a real run would print last on stderr) of a script run in-process through run_cli."""
     monkeypatch.setattr(sys, "argv", [str(a) for a in argv])
     handler = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; the test process keeps pytest's
     try:
         run_cli(main)
-        status, message = 0, ""
+        return 0, ""
     except SystemExit as e:  # sys.exit(message) prints the message and exits 1 in a real process
-        status, message = (1, f"{e.code}\n") if isinstance(e.code, str) else (e.code or 0, "")
+        return (1, f"{e.code}\n") if isinstance(e.code, str) else (e.code or 0, "")
     finally:
         signal.signal(signal.SIGTERM, handler)
+
+
+def run_main(main, argv, monkeypatch, capsys):
+    """A script run in-process through run_cli: (exit status, stdout, stderr as a real run shows them)."""
+    status, message = exit_status(main, argv, monkeypatch)
     out, err = capsys.readouterr()
     return status, out, err + message
+
+
+def run_main_once(main, argv):
+    """run_main for a module's fixture, which has no monkeypatch or capsys of its own."""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status, message = exit_status(main, argv, patch)
+    return status, out.getvalue(), err.getvalue() + message
 
 
 def assert_refused(run, message):

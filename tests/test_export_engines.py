@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import torch
 from children import ct2_greedy_as_it_loads, segfault
-from conftest import ODD_TEXTS
+from conftest import ODD_TEXTS, run_main_once
 
 import export
 import serve
@@ -39,13 +39,13 @@ def holmes():
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """One export.py run writing both engines' outputs, the way a reader runs it."""
+    """One export.py run writing both engines' outputs, as a reader runs it (in this process): (stdout, folder)."""
     needs("gguf"), needs("ctranslate2"), needs("llama_cpp")
     out = tmp_path_factory.mktemp("engines")
-    run = subprocess.run([sys.executable, "export.py", "--gguf", out / "holmes.gguf", "--ct2", out / "holmes-ct2"],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    return run, out
+    status, stdout, err = run_main_once(export.main, ["export.py", "--gguf", out / "holmes.gguf",
+                                                      "--ct2", out / "holmes-ct2"])
+    assert status == 0, err
+    return stdout, out
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +69,12 @@ def smaller_gguf(request, holmes, tmp_path_factory):
 
 
 def test_the_cli_reports_each_engine_equal_to_cached_py_and_leaves_only_its_outputs(cli_run):
-    run, out = cli_run
-    assert "llama.cpp: tokenizer ids equal bpe.py's" in run.stdout
-    assert "llama.cpp: 100 greedy tokens from 'The night was': the same tokens as cached.py" in run.stdout
-    assert "CTranslate2, float32: 100 greedy tokens from 'The night was': the same tokens as cached.py" in run.stdout
+    stdout, out = cli_run
+    assert "llama.cpp: tokenizer ids equal bpe.py's" in stdout
+    assert "llama.cpp: 100 greedy tokens from 'The night was': the same tokens as cached.py" in stdout
+    assert "CTranslate2, float32: 100 greedy tokens from 'The night was': the same tokens as cached.py" in stdout
     assert sorted(p.name for p in out.iterdir()) == ["holmes-ct2", "holmes.gguf"]  # no temporary folder left
-    assert "wrote holmes-hf" not in run.stdout  # no OUT_DIR given: only what was asked for
+    assert "wrote holmes-hf" not in stdout  # no OUT_DIR given: only what was asked for
 
 
 def test_the_gguf_says_gptneox_gpt2_bpe_and_an_honest_stop(cli_run):

@@ -14,8 +14,8 @@ from sample_grid import SETTINGS, grid
 
 
 def test_two_runs_print_the_same_text_under_every_setting(monkeypatch, capsys):
-    status, stdout, err = run_main(sample_grid.main, ["sample_grid.py", "--tokens", "30"], monkeypatch, capsys)
-    other = subprocess.run([sys.executable, "sample_grid.py", "--tokens", "30"], capture_output=True, text=True)
+    status, stdout, err = run_main(sample_grid.main, ["sample_grid.py", "--tokens", "12"], monkeypatch, capsys)
+    other = subprocess.run([sys.executable, "sample_grid.py", "--tokens", "12"], capture_output=True, text=True)
     assert (status, other.returncode) == (0, 0), err + other.stderr
     assert stdout == other.stdout  # and in another process
     assert [line[4:] for line in stdout.splitlines() if line.startswith("=== ")] == list(SETTINGS)

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import hashlib
 import io
+import multiprocessing
 import os
 import shutil
 import signal
@@ -236,17 +237,28 @@ def compiled_model():
     return model
 
 
+def compile_int8_step(folder):
+    """compiled_model()'s int8 step compiled into folder, in a second process (see `compiled`)."""
+    import kernels
+    kernels.COMPILE_WAYS = {device: {"plain": {}} for device in kernels.COMPILE_WAYS}  # one_plain_compile_way's
+    kernels.FastEngine(compiled_model(), dtype=torch.int8, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
+
+
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory, one_plain_compile_way):
     """compiled_model()'s step compiled for COMPILED_ROWS rows in float32 and in int8, into a compile
-    cache of its own: `folder`, the default one when XDG_CACHE_HOME is `home`. f32 and int8: the Engines that
-    compiled them."""
+    cache of its own: `folder`, the default one when XDG_CACHE_HOME is `home`. f32: the Engine that compiled
+    its step; int8: an Engine that loaded its step, compiled meanwhile in a second process (compiling is
+    mostly one core's work: two at once take little longer than one), or compiled it here if that failed."""
     from kernels import FastEngine
     home = tmp_path_factory.mktemp("compiled")
     folder = home / "tiny-gpt"
+    int8_compile = multiprocessing.get_context("spawn").Process(target=compile_int8_step, args=(str(folder),))
+    int8_compile.start()
     model = compiled_model()
     f32 = FastEngine(model, compile=True, compile_cache=folder)
     f32.prepare(COMPILED_ROWS)
+    int8_compile.join()
     int8 = FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder)
     int8.prepare(COMPILED_ROWS)
     return SimpleNamespace(model=model, home=home, folder=folder, f32=f32, int8=int8)

@@ -639,6 +639,7 @@ def peer_runs(model, engines, missing, prompt, n, folder):
     if "transformers" in missing:
         return runs
     bpe = BPE.load("tokenizer.json")
+    export.logging.disable_progress_bar()  # transformers' bars for writing and loading would break the table's rows
     export.write_folder(model, bpe, os.path.join(folder, "hf"))
     hf, tokenizer = export.load_folder(os.path.join(folder, "hf"))
     hf = hf.to(device)

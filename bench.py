@@ -390,7 +390,7 @@ def table_decode(model, engines, device, sizes, runs, bandwidth, out):
 
 def drift_model(device):
     """The weights drift is measured on: the shipped checkpoint (untrained scores are too flat to say much)."""
-    return load(CHECKPOINT, device) if os.path.exists(CHECKPOINT) else CachedGPT().to(device).eval()
+    return load(CHECKPOINT, device) if os.path.exists(CHECKPOINT) else untrained_model(device)
 
 
 def drift_prompt(model):

@@ -33,7 +33,7 @@ import torch
 
 from checks import check_kept_tokens, load_checkpoint, prompt_ids, tokenizer_for
 # Config too: the series' scripts import it from here (`from cached import CachedGPT, Config`).
-from model import GPT, Block, Config, RoPEAttention, check_finite, greedy, rope_at  # noqa: F401
+from model import GPT, Block, Config, RoPEAttention, check_finite, greedy, in_training, rope_at  # noqa: F401
 
 
 class LayerCache:
@@ -142,7 +142,7 @@ class CachedGPT(GPT):
     @torch.no_grad()
     def generate_cached(self, idx, n_tokens, pick=greedy, cache=LayerCache):
         """pick(logits, idx) chooses the next token; idx is everything so far."""
-        assert not any(m.training for m in self.modules()), "call model.eval() first: in training mode dropout changes every token"
+        assert not in_training(self), "call model.eval() first: in training mode dropout changes every token"
         caches = [cache(self.cfg.context) for _ in self.blocks]
         prompt = idx[:, -self.cfg.context:]
         logits = self.step(prompt, caches, 0)  # prefill: the whole prompt in one pass

@@ -17,7 +17,7 @@ import torch
 
 from bpe import BPE, utf8_bytes
 from cli import as_id, atomic_write, check_count, check_fits, check_input, device_from, shown
-from model import GPT, Config
+from model import GPT, Config, in_training
 
 
 # Sampling knobs
@@ -303,7 +303,7 @@ def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, k
     if not callable(getattr(model, "step", None)):  # a plain GPT has no cached step: it would fail at the first token
         raise ValueError(f"the Engine needs a CachedGPT (cached.load gives one), got a {type(model).__name__}")
     vocab = model.cfg.vocab_size
-    if any(m.training for m in model.modules()):  # one block left in training mode is enough for dropout
+    if in_training(model):  # one block left in training mode is enough for dropout
         raise ValueError("the model is in training mode, where dropout changes every token; call model.eval() first")
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
         raise ValueError("the prompt must be a non-empty list of token ids")

@@ -444,16 +444,22 @@ def step_sources(model, cache):
     return sources
 
 
-def step_key(model, cache, options):
-    """What a compiled step is valid for, as one sha256: the weights, the model's config and classes, the
-    cache's shape and dtype, the device and the machine, torch's version, the inductor options and the
-    code compiled. Any of them changed, the key is another and the step is compiled anew."""
+def step_keys(model, cache, ways):
+    """{way: what the step compiled with that way's inductor options is valid for, as one sha256}: the
+    weights, the model's config and classes, the cache's shape and dtype, the device and the machine,
+    torch's version, the options and the code compiled. Any of them changed, the key is another and the
+    step is compiled anew. All but the options are read once for every way (the weights' hash reads them all)."""
     parts = dict(weights=weights_digest(model), config=repr(getattr(model, "cfg", None)),
                  modules=[f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()],
                  cache=cache.shape, dtype=str(cache.heads_k.dtype), device=str(cache.heads_k.device),
-                 machine=machine_name(cache.heads_k.device), torch=torch.__version__, options=options,
+                 machine=machine_name(cache.heads_k.device), torch=torch.__version__,
                  sources=step_sources(model, cache))
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
+    return {name: hashlib.sha256(json.dumps(parts | {"options": options}, sort_keys=True, default=repr).encode())
+            .hexdigest() for name, options in ways.items()}
+
+
+def step_key(model, cache, options):
+    return step_keys(model, cache, {None: options})[None]
 
 
 KEY_FIELD = "tiny_gpt_step_key"  # the key a package was compiled for, in its own metadata
@@ -603,7 +609,7 @@ class DecodeStep:
         """The compiled step that runs: the only way given, or the fastest of COMPILE_WAYS here."""
         model, cache, inputs = self.model, self.cache, self._inputs()
         ways = COMPILE_WAYS[cache.k.device.type] if options is None else {"as given": options}
-        keys = {name: step_key(model, cache, o) for name, o in ways.items()}  # each hashes every weight: once
+        keys = step_keys(model, cache, ways)
         choice = choice_path(folder, list(keys.values()))
         self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}
         if self.way_ms:  # measured here before, for these very packages: only the faster is loaded

@@ -112,6 +112,11 @@ def greedy(logits, idx):
     return logits.argmax(dim=-1)
 
 
+def in_training(model):
+    """Whether any part of the model is in training mode, where dropout changes every token."""
+    return any(m.training for m in model.modules())
+
+
 def check_finite(logits, n):
     """Stop at the step whose scores are NaN or infinite: no token can be chosen honestly from them."""
     if not torch.isfinite(logits.abs().amax()):  # one reduction: NaN and infinity both survive abs().amax()
@@ -167,7 +172,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate_uncached(self, idx, n_tokens, pick=greedy):
         """Part 3's loop: rerun the last `context` tokens for every new token."""
-        assert not any(m.training for m in self.modules()), "call model.eval() first: in training mode dropout changes every token"
+        assert not in_training(self), "call model.eval() first: in training mode dropout changes every token"
         for n in range(n_tokens):
             logits, _ = self(idx[:, -self.cfg.context:])
             idx = torch.cat((idx, pick(check_finite(logits[:, -1], n), idx)[:, None]), dim=1)

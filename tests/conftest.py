@@ -209,6 +209,11 @@ def own_compile_cache(tmp_path_factory):
         yield
 
 
+def plain_ways(ways):
+    """kernels.COMPILE_WAYS with inductor's plain way only, on every device."""
+    return {device: {"plain": {}} for device in ways}
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_plain_compile_way():
     """The Engine compiles its decode step each of kernels.COMPILE_WAYS and keeps the fastest; with the
@@ -216,7 +221,7 @@ def one_plain_compile_way():
     test_compile_cache compiles the ways as set, once."""
     import kernels
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "COMPILE_WAYS", {device: {"plain": {}} for device in kernels.COMPILE_WAYS})
+        patch.setattr(kernels, "COMPILE_WAYS", plain_ways(kernels.COMPILE_WAYS))
         yield
 
 
@@ -240,7 +245,7 @@ def compiled_model():
 def compile_int8_step(folder):
     """compiled_model()'s int8 step compiled into folder, in a second process (see `compiled`)."""
     import kernels
-    kernels.COMPILE_WAYS = {device: {"plain": {}} for device in kernels.COMPILE_WAYS}  # one_plain_compile_way's
+    kernels.COMPILE_WAYS = plain_ways(kernels.COMPILE_WAYS)  # as one_plain_compile_way sets them here
     kernels.FastEngine(compiled_model(), dtype=torch.int8, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
 
 

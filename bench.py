@@ -39,7 +39,8 @@ A figure near 100% cannot get much faster; one at 20% can.
 3. The decode step's matrix multiply: every exact kernel in kernels.py timed
    here, the one the Engine chose, and a whole step with it and with nn.Linear;
    on the CPU, the step compiled each of kernels.COMPILE_WAYS (autotuned C++ multiplies on
-   frozen weights, and inductor's plain ATen ones): the Engine runs whichever is faster here.
+   frozen weights, inductor's plain ATen ones, and each output as one dot-product loop): the
+   Engine runs whichever is fastest here.
 4. The post's two loops, timed whole, beside the Engine (kernels.FastEngine: the
    preallocated ring cache, fastest kernel) as it runs by default, compiled (compile=True,
    compile time reported apart), in bfloat16, and with int8 weights eager and compiled;
@@ -66,7 +67,7 @@ import torch
 
 from cached import CachedGPT, LayerCache, first_difference, load
 from checks import cache_bytes
-from kernels import COMPILE_WAYS, KERNELS, DecodeStep, FastEngine, GraphCache, check_compiler, choose, sync, with_kernel
+from kernels import KERNELS, DecodeStep, FastEngine, GraphCache, check_compiler, choose, compile_ways, sync, with_kernel
 from model import Config
 from prefill_clone import clone_prompt, run_prompt
 
@@ -547,7 +548,7 @@ def compiled_ways(model, device, steps, runs):
     """The batch-1 step compiled each of kernels.COMPILE_WAYS, timed in turns at a full cache (ms), as the
     Engine times them to choose (here with the bench's runs and medians)."""
     token, cache = decode_fixture(model, 1, device)
-    ways = {name: DecodeStep(model, cache, compile=True, options=o) for name, o in COMPILE_WAYS[device.type].items()}
+    ways = {name: DecodeStep(model, cache, compile=True, ways={name: o}) for name, o in compile_ways(device, 1).items()}
     timed = measure({name: lambda s=s: [s(token, None) for _ in range(steps)] for name, s in ways.items()},
                     runs, device)
     return {name: t / steps * 1e3 for name, (t, _) in timed.items()}

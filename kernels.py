@@ -158,6 +158,15 @@ def int8pack(layer, rows):
 INT8_KERNELS = {"dequantize": dequantized, "int8pack": int8pack}
 
 
+def dot_products(layer, rows):
+    """Each output as the dot product of its weight row with the input row, written as a multiply and a
+    sum. Compiled, inductor makes it one loop per output that reads each weight once (an int8 one as it
+    is); eager, it would first make the whole (rows, out, in) product, so it is compiled only (the
+    "dot products" way of COMPILE_WAYS), and only for one row: each further row reads every weight again."""
+    out = (rows[:, None, :] * layer.weight).sum(-1)
+    return plus_bias(layer, out * layer.scales if isinstance(layer, Int8Linear) else out)
+
+
 class Int8Linear(nn.Module):
     """An nn.Linear with its weight quantized once (quantize_per_channel): int8 weight, float32 scales
     and the layer's own float32 bias; rows and products stay float32."""
@@ -374,13 +383,29 @@ def check_compiler(device, otherwise="or leave out --compile"):
 # weights into the graph as constants, which lets max_autotune try its own C++ matrix multiplies (weights
 # packed, every core used) against ATen's, timed where it compiles (the last two options keep the
 # autotuner's tables off stderr); "plain" is inductor's default, ATen's multiplies on the weights as they
-# are. Which is faster depends on the CPU, so DecodeStep compiles (or loads) each and times them side by
-# side on the machine it runs on (bench.py table 3 shows the figures). AOTInductor calls the graph from C++.
+# are; "dot products" runs every nn.Linear as dot_products, and the two options keep inductor from
+# computing the input (a layer norm, say) again inside every output's loop: it is stored once and read.
+# Which is faster depends on the CPU and the rows, so DecodeStep compiles (or loads) each and times them
+# side by side on the machine it runs on (bench.py table 3 shows the figures); "dot products" only for up
+# to DOT_PRODUCT_ROWS rows, past which it is several times slower. AOTInductor calls the graph from C++.
+DOT_PRODUCTS, DOT_PRODUCT_ROWS = "dot products", 1
 COMPILE_WAYS = {"cpu": {"autotuned": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                                       "autotune_num_choices_displayed": 0,
                                       "max_autotune_report_choices_stats": False},
-                        "plain": {}},
+                        "plain": {},
+                        DOT_PRODUCTS: {"realize_cpu_opcount_threshold": 0, "realize_reads_threshold": 1}},
                 "cuda": {"plain": {}}}
+
+
+def compile_ways(device, batch):
+    """COMPILE_WAYS for this device that are worth compiling for `batch` rows."""
+    return {name: options for name, options in COMPILE_WAYS[device.type].items()
+            if name != DOT_PRODUCTS or batch <= DOT_PRODUCT_ROWS}
+
+
+def way_model(model, way):
+    """The model as the way compiles it: its Linears as dot_products for DOT_PRODUCTS, else itself."""
+    return with_kernel(model, dot_products) if way == DOT_PRODUCTS else model
 
 
 def weights_state(model):
@@ -445,21 +470,23 @@ def step_sources(model, cache):
 
 
 def step_keys(model, cache, ways):
-    """{way: what the step compiled with that way's inductor options is valid for, as one sha256}: the
-    weights, the model's config and classes, the cache's shape and dtype, the device and the machine,
-    torch's version, the options and the code compiled. Any of them changed, the key is another and the
-    step is compiled anew. All but the options are read once for every way (the weights' hash reads them all)."""
+    """{way: what the step compiled that way is valid for, as one sha256}: the weights, the model's config
+    and classes, the cache's shape and dtype, the device and the machine, torch's version, the way's
+    inductor options and whether its Linears run as dot_products, and the code compiled. Any of them
+    changed, the key is another and the step is compiled anew. All but the way's own parts are read
+    once for every way (the weights' hash reads them all)."""
     parts = dict(weights=weights_digest(model), config=repr(getattr(model, "cfg", None)),
                  modules=[f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()],
                  cache=cache.shape, dtype=str(cache.heads_k.dtype), device=str(cache.heads_k.device),
                  machine=machine_name(cache.heads_k.device), torch=torch.__version__,
                  sources=step_sources(model, cache))
-    return {name: hashlib.sha256(json.dumps(parts | {"options": options}, sort_keys=True, default=repr).encode())
-            .hexdigest() for name, options in ways.items()}
+    return {name: hashlib.sha256(json.dumps(parts | {"options": options, DOT_PRODUCTS: name == DOT_PRODUCTS},
+                                            sort_keys=True, default=repr).encode()).hexdigest()
+            for name, options in ways.items()}
 
 
-def step_key(model, cache, options):
-    return step_keys(model, cache, {None: options})[None]
+def step_key(model, cache, options, way=None):
+    return step_keys(model, cache, {way: options})[way]
 
 
 KEY_FIELD = "tiny_gpt_step_key"  # the key a package was compiled for, in its own metadata
@@ -574,8 +601,8 @@ class DecodeStep:
     is written in place, so a step needs no Python-side state: what an exported program (one graph,
     the cache's tensors its inputs) and a CUDA graph (replayed with no host work) both need.
 
-    compile: the step compiled ahead of time by AOTInductor each of the COMPILE_WAYS for this device
-    (or only with the inductor `options` given), each kept as a package in the folder compile_cache
+    compile: the step compiled ahead of time by AOTInductor each of the compile_ways for this device and
+    batch (or each of `ways` given, {name: inductor options}), each kept as a package in the folder compile_cache
     (default: default_compile_cache()) under its step_key, and loaded from there when a package for
     the same key is kept: no compiling, and no dynamo guards on each step. With more than one way,
     each is timed side by side here and the fastest runs (self.way says which, self.way_ms what each
@@ -588,14 +615,14 @@ class DecodeStep:
     capture (CUDA only): replay a captured graph of the step.
     """
 
-    def __init__(self, model, cache, compile=False, capture=False, options=None, compile_cache=None):
+    def __init__(self, model, cache, compile=False, capture=False, ways=None, compile_cache=None):
         self.model, self.cache = model, cache
         self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
         self.loaded, self.package, self.way, self.way_ms = False, None, None, {}
         if compile:
             started = time.perf_counter()
-            self.run = self._compiled(options, check_compile_cache(compile_cache))
+            self.run = self._compiled(ways, check_compile_cache(compile_cache))
             self._rehearse(self.run)  # a loaded package prepares its weights on its first calls: not in a timing
             self._check_against_eager()
             self.compile_seconds = time.perf_counter() - started
@@ -605,16 +632,16 @@ class DecodeStep:
     def _step(self):
         return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
 
-    def _compiled(self, options, folder):
-        """The compiled step that runs: the only way given, or the fastest of COMPILE_WAYS here."""
+    def _compiled(self, ways, folder):
+        """The compiled step that runs: the only way, or the fastest of the ways here."""
         model, cache, inputs = self.model, self.cache, self._inputs()
-        ways = COMPILE_WAYS[cache.k.device.type] if options is None else {"as given": options}
+        ways = ways or compile_ways(cache.k.device, cache.shape["batch"])
         keys = step_keys(model, cache, ways)
         choice = choice_path(folder, list(keys.values()))
         self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}
         if self.way_ms:  # measured here before, for these very packages: only the faster is loaded
             ways = {name: o for name, o in ways.items() if name == min(self.way_ms, key=self.way_ms.get)}
-        made = {name: self._kept_or_compiled(dict(o), keys[name], folder) for name, o in ways.items()}
+        made = {name: self._kept_or_compiled(name, dict(o), keys[name], folder) for name, o in ways.items()}
         self.loaded = all(loaded for _, _, loaded in made.values())
         # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
         runs = {name: lambda loader=runner.loader: loader.boxed_run(list(inputs))[0]
@@ -631,9 +658,10 @@ class DecodeStep:
                 f"running {self.way}")
         return runs[self.way]
 
-    def _kept_or_compiled(self, options, key, folder):
-        """(runner, package path, whether it was loaded) for the step compiled with `options` under `key`
-        (its step_key): loaded where a package is kept for the key, else compiled and kept."""
+    def _kept_or_compiled(self, way, options, key, folder):
+        """(runner, package path, whether it was loaded) for the step compiled the way named `way`, with
+        inductor's `options`, under `key` (its step_keys): loaded where a package is kept for the key, else
+        compiled and kept."""
         path = package_path(folder, key)
         rows = f"the compiled decode step for {self.cache.shape['batch']} rows"
         if os.path.lexists(path):
@@ -651,7 +679,8 @@ class DecodeStep:
             # raised by torch.export and by inductor's autotuner about their own internals
             warnings.filterwarnings("ignore", "TypedStorage is deprecated")
             warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            program = torch.export.export(StepProgram(self.model, self.cache), tuple(self._inputs()), strict=False)
+            program = torch.export.export(StepProgram(way_model(self.model, way), self.cache), tuple(self._inputs()),
+                                          strict=False)
             torch._inductor.aoti_compile_and_package(
                 program, package_path=package, inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
         try:

@@ -242,11 +242,17 @@ def compiled_model():
     return model
 
 
-def compile_int8_step(folder):
-    """compiled_model()'s int8 step compiled into folder, in a second process (see `compiled`)."""
+def compile_beside(folder):
+    """In a second process (see `compiled`), compiled_model()'s steps compiled into folder: int8 for
+    COMPILED_ROWS rows the plain way, then float32 for one row the dot-products way (test_compile_cache)."""
     import kernels
+    dot_products = {kernels.DOT_PRODUCTS: kernels.COMPILE_WAYS["cpu"][kernels.DOT_PRODUCTS]}
     kernels.COMPILE_WAYS = plain_ways(kernels.COMPILE_WAYS)  # as one_plain_compile_way sets them here
-    kernels.FastEngine(compiled_model(), dtype=torch.int8, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
+    model = compiled_model()
+    kernels.FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
+    with torch.inference_mode():
+        cache = kernels.GraphCache.for_model(model, 1, COMPILED.context)
+        kernels.DecodeStep(model, cache, compile=True, ways=dot_products, compile_cache=folder)
 
 
 @pytest.fixture(scope="session")
@@ -254,16 +260,17 @@ def compiled(tmp_path_factory, one_plain_compile_way):
     """compiled_model()'s step compiled for COMPILED_ROWS rows in float32 and in int8, into a compile
     cache of its own: `folder`, the default one when XDG_CACHE_HOME is `home`. f32: the Engine that compiled
     its step; int8: an Engine that loaded its step, compiled meanwhile in a second process (compiling is
-    mostly one core's work: two at once take little longer than one), or compiled it here if that failed."""
+    mostly one core's work: two at once take little longer than one), or compiled it here if that failed.
+    The folder also keeps the float32 step for one row compiled the dot-products way, from that process."""
     from kernels import FastEngine
     home = tmp_path_factory.mktemp("compiled")
     folder = home / "tiny-gpt"
-    int8_compile = multiprocessing.get_context("spawn").Process(target=compile_int8_step, args=(str(folder),))
-    int8_compile.start()
+    beside = multiprocessing.get_context("spawn").Process(target=compile_beside, args=(str(folder),))
+    beside.start()
     model = compiled_model()
     f32 = FastEngine(model, compile=True, compile_cache=folder)
     f32.prepare(COMPILED_ROWS)
-    int8_compile.join()
+    beside.join()
     int8 = FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder)
     int8.prepare(COMPILED_ROWS)
     return SimpleNamespace(model=model, home=home, folder=folder, f32=f32, int8=int8)

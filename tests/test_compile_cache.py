@@ -112,6 +112,7 @@ def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
         "dtype": step_key(bf16, KVCache.for_model(bf16, 1, SMALL.context), {}),
         "model class": step_key(break_on_purpose(copy.deepcopy(model), "rope"), cache, {}),
         "options": step_key(model, cache, {"freezing": True}),
+        "linears as dot products": step_key(model, cache, {}, kernels.DOT_PRODUCTS),
     }
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     others["torch"] = step_key(model, cache, {})
@@ -227,8 +228,9 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_t
 
 def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_steps_load_only_it(
         kept, monkeypatch):
-    ways = AS_SET["cpu"]
     monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
+    ways = kernels.compile_ways(torch.device("cpu"), B)
+    assert kernels.DOT_PRODUCTS not in ways and B > kernels.DOT_PRODUCT_ROWS  # each row would read every weight
     model, folder, _ = kept  # a way whose package is kept there already (the plain one) is loaded, not compiled
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
@@ -236,7 +238,7 @@ def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_
     assert not step.loaded and set(step.way_ms) == set(ways) and len(ways) > 1
     assert step.way == min(step.way_ms, key=step.way_ms.get)
     assert_eager_tokens(engine, model, B)
-    keys = [step_key(model, step.cache, o) for o in ways.values()]
+    keys = [step_key(model, step.cache, o, name) for name, o in ways.items()]
     choice = kernels.choice_path(str(folder), keys)
     never_compile(monkeypatch)
     monkeypatch.setattr(kernels.DecodeStep, "_time_ways", lambda *args: pytest.fail("timed again"))
@@ -248,7 +250,7 @@ def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_
         kernels.keep_choice(choice, {name: 1.0 if name == faster else 2.0 for name in ways})
         engine = FastEngine(model, compile=True, compile_cache=folder)
         engine.prepare(B)
-        package = kernels.package_path(str(folder), step_key(model, engine.steps[B].cache, ways[faster]))
+        package = kernels.package_path(str(folder), step_key(model, engine.steps[B].cache, ways[faster], faster))
         assert engine.steps[B].way == faster and engine.steps[B].package == package and loaded[-1:] == [package]
         assert_eager_tokens(engine, model, B)
         loaded.clear()
@@ -260,3 +262,13 @@ def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_
     engine.prepare(B)
     assert engine.steps[B].loaded and set(engine.steps[B].way_ms) == set(ways)
     assert open(choice).read() == "{not json"
+
+
+def test_one_rows_step_compiled_as_dot_products_gives_the_eager_tokens(kept, monkeypatch):
+    model, folder, _ = kept  # conftest.compiled kept that step too: loaded, not compiled
+    monkeypatch.setattr(kernels, "COMPILE_WAYS", {"cpu": {kernels.DOT_PRODUCTS: AS_SET["cpu"][kernels.DOT_PRODUCTS]}})
+    never_compile(monkeypatch)
+    engine = FastEngine(model, compile=True, compile_cache=folder)
+    engine.prepare(1)
+    assert engine.steps[1].loaded and engine.steps[1].way == kernels.DOT_PRODUCTS
+    assert_eager_tokens(engine, model, 1)

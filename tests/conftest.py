@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import kernels
 import train as train_module
 from export import SAMPLE
 from cli import run_cli
@@ -209,6 +210,9 @@ def own_compile_cache(tmp_path_factory):
         yield
 
 
+AS_SET = kernels.COMPILE_WAYS  # read on import, before one_plain_compile_way
+
+
 def plain_ways(ways):
     """kernels.COMPILE_WAYS with inductor's plain way only, on every device."""
     return {device: {"plain": {}} for device in ways}
@@ -218,8 +222,7 @@ def plain_ways(ways):
 def one_plain_compile_way():
     """The Engine compiles its decode step each of kernels.COMPILE_WAYS and keeps the fastest; with the
     autotuner that costs minutes a batch on a small CPU. The suite compiles the plain way only, and
-    test_compile_cache compiles the ways as set, once."""
-    import kernels
+    the others once, in compile_ahead, for test_compile_cache."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "COMPILE_WAYS", plain_ways(kernels.COMPILE_WAYS))
         yield
@@ -227,7 +230,7 @@ def one_plain_compile_way():
 
 # The model whose decode step the suite compiles: small, so a compile takes seconds, with the shipped
 # tokenizer's vocabulary, so the serving engines run it too. Compiling is the suite's costliest work,
-# so what the tests compile is compiled once, here, and what they compile beyond it is loaded after.
+# so every step the tests run compiled is compiled once, ahead, and loaded by the tests after.
 COMPILED = Config(d_model=64, n_heads=4, n_layers=2, context=32)
 COMPILED_ROWS = 3  # more than one: each row at its own position in the cache
 
@@ -242,35 +245,54 @@ def compiled_model():
     return model
 
 
-def compile_beside(folder):
-    """In a second process (see `compiled`), compiled_model()'s steps compiled into folder: int8 for
-    COMPILED_ROWS rows the plain way, then float32 for one row the dot-products way (test_compile_cache)."""
-    import kernels
-    dot_products = {kernels.DOT_PRODUCTS: kernels.COMPILE_WAYS["cpu"][kernels.DOT_PRODUCTS]}
-    kernels.COMPILE_WAYS = plain_ways(kernels.COMPILE_WAYS)  # as one_plain_compile_way sets them here
+def compile_ahead(folder):
+    """compiled_model()'s steps compiled into folder, as the tests run them: for COMPILED_ROWS rows float32
+    and int8 the plain way and float32 the autotuned way, and for one row float32 the dot-products way."""
+    kernels.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()
-    kernels.FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
+    for dtype in (torch.float32, torch.int8):
+        kernels.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
     with torch.inference_mode():
-        cache = kernels.GraphCache.for_model(model, 1, COMPILED.context)
-        kernels.DecodeStep(model, cache, compile=True, ways=dot_products, compile_cache=folder)
+        for batch, way in ((1, kernels.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned")):
+            cache = kernels.GraphCache.for_model(model, batch, COMPILED.context)
+            kernels.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder)
+
+
+def uses_compiled(item):
+    return "compiled" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that run compiled steps run last, so the steps compile beside the tests before them."""
+    items.sort(key=uses_compiled)  # a stable sort: each group keeps its order
+
+
+@pytest.fixture(autouse=True, scope="session")
+def compiling(request, tmp_path_factory):
+    """compile_ahead, in a process of its own started with the session, when any test will run a compiled
+    step (compiling is mostly one core's work, and many tests leave the other idle): (home, folder, process)."""
+    home = tmp_path_factory.mktemp("compiled")
+    folder, process = home / "tiny-gpt", None
+    if any(map(uses_compiled, request.session.items)):
+        process = multiprocessing.get_context("spawn").Process(target=compile_ahead, args=(str(folder),))
+        process.start()
+    yield home, folder, process
+    if process is not None and process.is_alive():  # only a run stopped early (-x) gets here before it ends
+        process.terminate()
+        process.join()
 
 
 @pytest.fixture(scope="session")
-def compiled(tmp_path_factory, one_plain_compile_way):
-    """compiled_model()'s step compiled for COMPILED_ROWS rows in float32 and in int8, into a compile
-    cache of its own: `folder`, the default one when XDG_CACHE_HOME is `home`. f32: the Engine that compiled
-    its step; int8: an Engine that loaded its step, compiled meanwhile in a second process (compiling is
-    mostly one core's work: two at once take little longer than one), or compiled it here if that failed.
-    The folder also keeps the float32 step for one row compiled the dot-products way, from that process."""
+def compiled(compiling, one_plain_compile_way):
+    """compiled_model()'s step for COMPILED_ROWS rows in float32 and in int8, in Engines that loaded them from
+    the compile cache `folder` (the default one when XDG_CACHE_HOME is `home`), where compile_ahead keeps
+    every step the tests run compiled; a step it did not keep (it failed) is compiled here."""
     from kernels import FastEngine
-    home = tmp_path_factory.mktemp("compiled")
-    folder = home / "tiny-gpt"
-    beside = multiprocessing.get_context("spawn").Process(target=compile_beside, args=(str(folder),))
-    beside.start()
+    home, folder, process = compiling
+    process.join()
     model = compiled_model()
     f32 = FastEngine(model, compile=True, compile_cache=folder)
     f32.prepare(COMPILED_ROWS)
-    beside.join()
     int8 = FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder)
     int8.prepare(COMPILED_ROWS)
     return SimpleNamespace(model=model, home=home, folder=folder, f32=f32, int8=int8)

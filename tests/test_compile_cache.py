@@ -15,7 +15,7 @@ import kernels
 from cached import break_on_purpose
 from cli import run_cli
 from kernels import FastEngine, compiler_missing, step_key
-from conftest import COMPILED, COMPILED_ROWS, compiled_model
+from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model
 from prefill_clone import Engine, KVCache
 
 pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
@@ -23,9 +23,8 @@ pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compil
 SMALL, small, B = COMPILED, compiled_model, COMPILED_ROWS  # B: the rows the kept step was compiled for
 PROMPT = [5, 17, 300, 42, 9]
 # inductor's plain settings, one way: the tests check what is kept and loaded, and compiling with the
-# autotuner costs a minute or more a batch here (the last test compiles the ways as set)
+# autotuner costs a minute or more a batch here (conftest.compile_ahead compiles each way as set, once)
 LIGHT = {"cpu": {"plain": {}}}
-AS_SET = kernels.COMPILE_WAYS  # read when the module is imported, before conftest's one_plain_compile_way
 
 
 @pytest.fixture
@@ -54,7 +53,7 @@ def assert_eager_tokens(engine, model, batch):
 def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens_at_every_step(kept):
     model, folder, engine = kept
     step = engine.steps[B]
-    assert not step.loaded and step.package.startswith(str(folder))
+    assert step.package.startswith(str(folder))
     assert_eager_tokens(engine, model, B)
 
 
@@ -226,16 +225,16 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_t
     assert taken.read_text() == "mine"
 
 
-def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_steps_load_only_it(
+def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_load_only_it(
         kept, monkeypatch):
     monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
     ways = kernels.compile_ways(torch.device("cpu"), B)
     assert kernels.DOT_PRODUCTS not in ways and B > kernels.DOT_PRODUCT_ROWS  # each row would read every weight
-    model, folder, _ = kept  # a way whose package is kept there already (the plain one) is loaded, not compiled
+    model, folder, _ = kept  # conftest.compile_ahead kept a package for each way there
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
     step = engine.steps[B]
-    assert not step.loaded and set(step.way_ms) == set(ways) and len(ways) > 1
+    assert set(step.way_ms) == set(ways) and len(ways) > 1
     assert step.way == min(step.way_ms, key=step.way_ms.get)
     assert_eager_tokens(engine, model, B)
     keys = [step_key(model, step.cache, o, name) for name, o in ways.items()]
@@ -265,10 +264,9 @@ def test_the_ways_as_set_are_compiled_and_timed_here_the_fastest_runs_and_later_
 
 
 def test_one_rows_step_compiled_as_dot_products_gives_the_eager_tokens(kept, monkeypatch):
-    model, folder, _ = kept  # conftest.compiled kept that step too: loaded, not compiled
+    model, folder, _ = kept  # conftest.compile_ahead kept that step there
     monkeypatch.setattr(kernels, "COMPILE_WAYS", {"cpu": {kernels.DOT_PRODUCTS: AS_SET["cpu"][kernels.DOT_PRODUCTS]}})
-    never_compile(monkeypatch)
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(1)
-    assert engine.steps[1].loaded and engine.steps[1].way == kernels.DOT_PRODUCTS
+    assert engine.steps[1].way == kernels.DOT_PRODUCTS
     assert_eager_tokens(engine, model, 1)

@@ -641,6 +641,8 @@ def peer_runs(model, engines, missing, prompt, n, folder):
         return runs
     bpe = BPE.load("tokenizer.json")
     export.logging.disable_progress_bar()  # transformers' bars for writing and loading would break the table's rows
+    # and so would its reminder that prompt + n tokens pass the context: 6b compares those tokens
+    export.logging.set_verbosity_error()
     export.write_folder(model, bpe, os.path.join(folder, "hf"))
     hf, tokenizer = export.load_folder(os.path.join(folder, "hf"))
     hf = hf.to(device)

@@ -2,7 +2,6 @@
 import importlib
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -11,9 +10,8 @@ import cached
 import model as model_py
 from bpe import BPE
 from cached import CachedGPT, LayerCache, TrimAfter, exact_tokens, load
-from cli import run_cli
 from checks import save_checkpoint
-from conftest import PART3_CONFIG, ROOT, assert_refused, part3_state_dict, run_main
+from conftest import PART3_CONFIG, ROOT, assert_refused, exit_status, part3_state_dict, run_main
 from model import GPT, Config, rope_at
 from kernels import GraphCache
 from prefill_clone import KVCache
@@ -223,12 +221,9 @@ def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message, mo
 
 def one_line_exit(monkeypatch, *argv):
     """Run cached.py's main in this process; the one-line message it exits with (status 1)."""
-    monkeypatch.setattr(sys, "argv", list(argv))
-    with pytest.raises(SystemExit) as exit:
-        run_cli(cached.main)
-    assert isinstance(exit.value.code, str) and len(exit.value.code.splitlines()) == 1
-    assert exit.value.code.startswith("cached.py: error: ")
-    return exit.value.code
+    status, message = exit_status(cached.main, argv, monkeypatch)
+    assert status == 1 and len(message.splitlines()) == 1 and message.startswith("cached.py: error: "), message
+    return message.rstrip("\n")
 
 
 @pytest.mark.parametrize("content, message", [

@@ -285,6 +285,11 @@ def main():
                 rng.set_rng_state(state[key].cpu())
         except Exception as e:
             raise ValueError(f"--resume: {name}.resume.pt does not fit this run ({type(e).__name__})") from None
+        # the optimizer loads moments of any shape; the first step that used them would fail
+        if any(moment.shape != p.shape for p, kept in opt.state.items()
+               for moment in (kept.get("exp_avg"), kept.get("exp_avg_sq")) if moment is not None):
+            raise ValueError(f"--resume: {name}.resume.pt does not fit this run (its optimizer's moments are not "
+                             "shaped as the weights); start again without --resume")
         start, best_val, elapsed = state["step"], state["best_val"], state["elapsed"]
         print(f"resuming at step {start} (best val {best_val:.3f})", file=sys.stderr)
 

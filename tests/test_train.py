@@ -487,3 +487,16 @@ def test_a_damaged_or_repacked_resume_file_is_refused_before_it_is_loaded(
     assert_refused(run, "train.py: error: --resume: run.resume.pt")
     assert message in run[2] and "start again without --resume" in run[2]
     assert {name: sha256(tmp_path / name) for name in RUN_FILES} == victims
+
+
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
+def test_optimizer_moments_of_another_shape_are_refused_before_any_step(
+        tmp_path, killed_after_last_step, moment, monkeypatch, capsys, shipped_unchanged):
+    copy_run(killed_after_last_step, tmp_path)
+    state = torch.load(tmp_path / "run.resume.pt", weights_only=True)
+    state["optimizer"]["state"][0][moment] = torch.zeros(3)  # loads into the optimizer, but no step can use it
+    torch.save(state, tmp_path / "run.resume.pt")
+    victims = {name: sha256(tmp_path / name) for name in RUN_FILES if (tmp_path / name).exists()}
+    assert_refused(train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys),
+                   "train.py: error: --resume: run.resume.pt does not fit this run (its optimizer's moments")
+    assert {name: sha256(tmp_path / name) for name in victims} == victims

@@ -132,6 +132,9 @@ def parameter_count(cfg):
     return cfg.vocab_size * d + cfg.n_layers * block + 2 * d
 
 
+MAX_CONTEXT = 2**24  # the last whole number float32 holds exactly, and rope_at's positions are float32
+
+
 def check_config(cfg):
     """Every Config value a model can be built from, named when it is not."""
     sizes = {f: getattr(cfg, f) for f in ("vocab_size", "d_model", "n_heads", "n_layers", "context", "n_kv_heads")}
@@ -145,6 +148,9 @@ def check_config(cfg):
                          f"and n_heads by n_kv_heads ({cfg.n_kv_heads})")
     if cfg.head_dim % 2:
         raise ValueError(f"head_dim d_model / n_heads = {cfg.head_dim} is odd; RoPE turns channel pairs")
+    if cfg.context > MAX_CONTEXT:
+        raise ValueError(f"config context is {cfg.context:,}; RoPE's positions are float32, exact only up to "
+                         f"{MAX_CONTEXT:,} (2**24)")
     return cfg
 
 

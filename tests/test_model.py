@@ -174,6 +174,8 @@ def test_the_shipped_checkpoint_holds_part3_fields_only():
     (dict(d_model=250), "d_model .250. must divide by n_heads"),
     (dict(d_model=12), "head_dim d_model / n_heads = 3 is odd; RoPE turns channel pairs"),
     (dict(n_kv_heads=3), r"n_heads by n_kv_heads \(3\)"),
+    (dict(context=10**12), r"config context is 1,000,000,000,000; RoPE's positions are float32, exact only up to "
+                           r"16,777,216 \(2\*\*24\)"),
     (dict(d_model=65536), r"c.pt: the model its config describes \(6 layers of width 65536.* needs .* GiB"),
     (dict(n_layers=10**7), r"c.pt: the model its config describes \(10000000 layers.* needs .* GiB"),
     (dict(vocab_size=2**40), "needs .* GiB, more than half of this machine's"),

@@ -383,9 +383,8 @@ def check_compiler(device, otherwise="or leave out --compile"):
 # weights into the graph as constants, which lets max_autotune try its own C++ matrix multiplies (weights
 # packed, every core used) against ATen's, timed where it compiles (the last two options keep the
 # autotuner's tables off stderr); "plain" is inductor's default, ATen's multiplies on the weights as they
-# are; "dot products" runs every nn.Linear as dot_products and the attention as its math
-# (AttentionAsMath), and the two options keep inductor from computing the input (a layer norm, say)
-# again inside every output's loop: it is stored once and read.
+# are; "dot products" runs every nn.Linear as dot_products, and the two options keep inductor from
+# computing the input (a layer norm, say) again inside every output's loop: it is stored once and read.
 # Which is faster depends on the CPU and the rows, so DecodeStep compiles (or loads) each and times them
 # side by side on the machine it runs on (bench.py table 3 shows the figures); "dot products" only for up
 # to DOT_PRODUCT_ROWS rows, past which it is several times slower. AOTInductor calls the graph from C++.
@@ -407,29 +406,6 @@ def compile_ways(device, batch):
 def way_model(model, way):
     """The model as the way compiles it: its Linears as dot_products for DOT_PRODUCTS, else itself."""
     return with_kernel(model, dot_products) if way == DOT_PRODUCTS else model
-
-
-def attention_as_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """F.scaled_dot_product_attention without dropout or a causal mask, as its math: softmax(q k^T / sqrt(d),
-    masked) v. Inductor compiles that into the step's own loops, where ATen's flash attention for one query
-    costs more than its arithmetic."""
-    assert dropout_p == 0 and not is_causal, "the decode step's attention: one query, no dropout"
-    if enable_gqa and k.shape[1] != q.shape[1]:  # each key head serves a group of query heads
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    scores = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    return scores.softmax(-1) @ v
-
-
-class AttentionAsMath(torch.overrides.TorchFunctionMode):
-    """While on (in this thread only), F.scaled_dot_product_attention runs as attention_as_math: how the
-    DOT_PRODUCTS way exports the step, the model's own code unchanged."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            return attention_as_math(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
 
 def weights_state(model):
@@ -496,7 +472,7 @@ def step_sources(model, cache):
 def step_keys(model, cache, ways):
     """{way: what the step compiled that way is valid for, as one sha256}: the weights, the model's config
     and classes, the cache's shape and dtype, the device and the machine, torch's version, the way's
-    inductor options and whether it is DOT_PRODUCTS (which rewrites the step), and the code compiled. Any of them
+    inductor options and whether its Linears run as dot_products, and the code compiled. Any of them
     changed, the key is another and the step is compiled anew. All but the way's own parts are read
     once for every way (the weights' hash reads them all)."""
     parts = dict(weights=weights_digest(model), config=repr(getattr(model, "cfg", None)),
@@ -703,9 +679,8 @@ class DecodeStep:
             # raised by torch.export and by inductor's autotuner about their own internals
             warnings.filterwarnings("ignore", "TypedStorage is deprecated")
             warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            with AttentionAsMath() if way == DOT_PRODUCTS else contextlib.nullcontext():
-                program = torch.export.export(StepProgram(way_model(self.model, way), self.cache),
-                                              tuple(self._inputs()), strict=False)
+            program = torch.export.export(StepProgram(way_model(self.model, way), self.cache), tuple(self._inputs()),
+                                          strict=False)
             torch._inductor.aoti_compile_and_package(
                 program, package_path=package, inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
         try:

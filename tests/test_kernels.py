@@ -205,21 +205,3 @@ def test_prepare_refuses_what_a_generate_of_that_many_rows_would_before_allocati
         model.blocks[0].train()
     with pytest.raises(ValueError, match=message):
         FastEngine(model).prepare(batch if isinstance(batch, (int, float)) else 1)
-
-
-@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["multi-head", "grouped", "one key head"])
-@pytest.mark.parametrize("mask", ["bool", "float", "none"])
-def test_attention_as_math_computes_scaled_dot_product_attention_for_one_query(kv_heads, mask, monkeypatch):
-    calls = []
-    monkeypatch.setattr(kernels, "attention_as_math", lambda *args, real=kernels.attention_as_math, **kwargs: (
-        calls.append(1) or real(*args, **kwargs)))
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 4, 1, 16, generator=gen)
-    k, v = (torch.randn(3, kv_heads, 10, 16, generator=gen) for _ in range(2))
-    attn_mask = {"bool": torch.arange(10).view(1, 1, 1, 10) <= torch.tensor([2, 5, 9]).view(3, 1, 1, 1),
-                 "float": torch.randn(3, 1, 1, 10, generator=gen), "none": None}[mask]
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=kv_heads != 4)
-    with kernels.AttentionAsMath():
-        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=kv_heads != 4)
-    assert calls == [1]  # computed as the math, not by ATen
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -383,29 +383,33 @@ def check_compiler(device, otherwise="or leave out --compile"):
 # weights into the graph as constants, which lets max_autotune try its own C++ matrix multiplies (weights
 # packed, every core used) against ATen's, timed where it compiles (the last two options keep the
 # autotuner's tables off stderr); "plain" is inductor's default, ATen's multiplies on the weights as they
-# are; "dot products" runs every nn.Linear as dot_products, and the two options keep inductor from
+# are; "dot products" exports every nn.Linear as dot_products, and its two options keep inductor from
 # computing the input (a layer norm, say) again inside every output's loop: it is stored once and read.
-# Which is faster depends on the CPU and the rows, so DecodeStep compiles (or loads) each and times them
-# side by side on the machine it runs on (bench.py table 3 shows the figures); "dot products" only for up
-# to DOT_PRODUCT_ROWS rows, past which it is several times slower. AOTInductor calls the graph from C++.
-DOT_PRODUCTS, DOT_PRODUCT_ROWS = "dot products", 1
+# Besides inductor's options, a way may name the product its Linears are exported with ("linears", one
+# of COMPILED_LINEARS) and the most rows it is worth compiling for ("max_rows": past one row, dot products
+# are several times slower). Which way is fastest depends on the CPU and the rows, so DecodeStep compiles
+# (or loads) each and times them side by side on the machine it runs on (bench.py table 3 shows the
+# figures). AOTInductor calls the graph from C++.
+COMPILED_LINEARS = {"dot_products": dot_products}
+WAY_FIELDS = ("linears", "max_rows")  # a way's own; the rest are inductor's options
+DOT_PRODUCTS = "dot products"
 COMPILE_WAYS = {"cpu": {"autotuned": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                                       "autotune_num_choices_displayed": 0,
                                       "max_autotune_report_choices_stats": False},
                         "plain": {},
-                        DOT_PRODUCTS: {"realize_cpu_opcount_threshold": 0, "realize_reads_threshold": 1}},
+                        DOT_PRODUCTS: {"linears": "dot_products", "max_rows": 1,
+                                       "realize_cpu_opcount_threshold": 0, "realize_reads_threshold": 1}},
                 "cuda": {"plain": {}}}
 
 
 def compile_ways(device, batch):
     """COMPILE_WAYS for this device that are worth compiling for `batch` rows."""
-    return {name: options for name, options in COMPILE_WAYS[device.type].items()
-            if name != DOT_PRODUCTS or batch <= DOT_PRODUCT_ROWS}
+    return {name: way for name, way in COMPILE_WAYS[device.type].items() if batch <= way.get("max_rows", batch)}
 
 
 def way_model(model, way):
-    """The model as the way compiles it: its Linears as dot_products for DOT_PRODUCTS, else itself."""
-    return with_kernel(model, dot_products) if way == DOT_PRODUCTS else model
+    """The model as `way` (a COMPILE_WAYS entry) is compiled: its Linears as the way's "linears", if it names them."""
+    return with_kernel(model, COMPILED_LINEARS[way["linears"]]) if "linears" in way else model
 
 
 def weights_state(model):
@@ -471,22 +475,21 @@ def step_sources(model, cache):
 
 def step_keys(model, cache, ways):
     """{way: what the step compiled that way is valid for, as one sha256}: the weights, the model's config
-    and classes, the cache's shape and dtype, the device and the machine, torch's version, the way's
-    inductor options and whether its Linears run as dot_products, and the code compiled. Any of them
-    changed, the key is another and the step is compiled anew. All but the way's own parts are read
-    once for every way (the weights' hash reads them all)."""
+    and classes, the cache's shape and dtype, the device and the machine, torch's version, the way (its
+    options, the Linears' product among them) and the code compiled. Any of them changed, the key is
+    another and the step is compiled anew. All but the way are read once for every way (the weights'
+    hash reads them all)."""
     parts = dict(weights=weights_digest(model), config=repr(getattr(model, "cfg", None)),
                  modules=[f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()],
                  cache=cache.shape, dtype=str(cache.heads_k.dtype), device=str(cache.heads_k.device),
                  machine=machine_name(cache.heads_k.device), torch=torch.__version__,
                  sources=step_sources(model, cache))
-    return {name: hashlib.sha256(json.dumps(parts | {"options": options, DOT_PRODUCTS: name == DOT_PRODUCTS},
-                                            sort_keys=True, default=repr).encode()).hexdigest()
-            for name, options in ways.items()}
+    return {name: hashlib.sha256(json.dumps(parts | {"options": options}, sort_keys=True, default=repr).encode())
+            .hexdigest() for name, options in ways.items()}
 
 
-def step_key(model, cache, options, way=None):
-    return step_keys(model, cache, {way: options})[way]
+def step_key(model, cache, options):
+    return step_keys(model, cache, {None: options})[None]
 
 
 KEY_FIELD = "tiny_gpt_step_key"  # the key a package was compiled for, in its own metadata
@@ -602,7 +605,8 @@ class DecodeStep:
     the cache's tensors its inputs) and a CUDA graph (replayed with no host work) both need.
 
     compile: the step compiled ahead of time by AOTInductor each of the compile_ways for this device and
-    batch (or each of `ways` given, {name: inductor options}), each kept as a package in the folder compile_cache
+    batch (or each of `ways` given, {name: options as in COMPILE_WAYS}), each kept as a package in the folder
+    compile_cache
     (default: default_compile_cache()) under its step_key, and loaded from there when a package for
     the same key is kept: no compiling, and no dynamo guards on each step. With more than one way,
     each is timed side by side here and the fastest runs (self.way says which, self.way_ms what each
@@ -641,7 +645,7 @@ class DecodeStep:
         self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}
         if self.way_ms:  # measured here before, for these very packages: only the faster is loaded
             ways = {name: o for name, o in ways.items() if name == min(self.way_ms, key=self.way_ms.get)}
-        made = {name: self._kept_or_compiled(name, dict(o), keys[name], folder) for name, o in ways.items()}
+        made = {name: self._kept_or_compiled(dict(o), keys[name], folder) for name, o in ways.items()}
         self.loaded = all(loaded for _, _, loaded in made.values())
         # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
         runs = {name: lambda loader=runner.loader: loader.boxed_run(list(inputs))[0]
@@ -658,10 +662,9 @@ class DecodeStep:
                 f"running {self.way}")
         return runs[self.way]
 
-    def _kept_or_compiled(self, way, options, key, folder):
-        """(runner, package path, whether it was loaded) for the step compiled the way named `way`, with
-        inductor's `options`, under `key` (its step_keys): loaded where a package is kept for the key, else
-        compiled and kept."""
+    def _kept_or_compiled(self, way, key, folder):
+        """(runner, package path, whether it was loaded) for the step compiled `way` (a COMPILE_WAYS entry)
+        under `key` (its step_keys): loaded where a package is kept for the key, else compiled and kept."""
         path = package_path(folder, key)
         rows = f"the compiled decode step for {self.cache.shape['batch']} rows"
         if os.path.lexists(path):
@@ -681,6 +684,7 @@ class DecodeStep:
             warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
             program = torch.export.export(StepProgram(way_model(self.model, way), self.cache), tuple(self._inputs()),
                                           strict=False)
+            options = {name: value for name, value in way.items() if name not in WAY_FIELDS}
             torch._inductor.aoti_compile_and_package(
                 program, package_path=package, inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
         try:

@@ -111,7 +111,7 @@ def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
         "dtype": step_key(bf16, KVCache.for_model(bf16, 1, SMALL.context), {}),
         "model class": step_key(break_on_purpose(copy.deepcopy(model), "rope"), cache, {}),
         "options": step_key(model, cache, {"freezing": True}),
-        "linears as dot products": step_key(model, cache, {}, kernels.DOT_PRODUCTS),
+        "linears as dot products": step_key(model, cache, {"linears": "dot_products"}),
     }
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     others["torch"] = step_key(model, cache, {})
@@ -229,7 +229,8 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
         kept, monkeypatch):
     monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
     ways = kernels.compile_ways(torch.device("cpu"), B)
-    assert kernels.DOT_PRODUCTS not in ways and B > kernels.DOT_PRODUCT_ROWS  # each row would read every weight
+    # dot products are not worth compiling for B rows: each row would read every weight again
+    assert kernels.DOT_PRODUCTS not in ways and B > AS_SET["cpu"][kernels.DOT_PRODUCTS]["max_rows"]
     model, folder, _ = kept  # conftest.compile_ahead kept a package for each way there
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
@@ -237,7 +238,7 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
     assert set(step.way_ms) == set(ways) and len(ways) > 1
     assert step.way == min(step.way_ms, key=step.way_ms.get)
     assert_eager_tokens(engine, model, B)
-    keys = [step_key(model, step.cache, o, name) for name, o in ways.items()]
+    keys = [step_key(model, step.cache, o) for o in ways.values()]
     choice = kernels.choice_path(str(folder), keys)
     never_compile(monkeypatch)
     monkeypatch.setattr(kernels.DecodeStep, "_time_ways", lambda *args: pytest.fail("timed again"))
@@ -249,7 +250,7 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
         kernels.keep_choice(choice, {name: 1.0 if name == faster else 2.0 for name in ways})
         engine = FastEngine(model, compile=True, compile_cache=folder)
         engine.prepare(B)
-        package = kernels.package_path(str(folder), step_key(model, engine.steps[B].cache, ways[faster], faster))
+        package = kernels.package_path(str(folder), step_key(model, engine.steps[B].cache, ways[faster]))
         assert engine.steps[B].way == faster and engine.steps[B].package == package and loaded[-1:] == [package]
         assert_eager_tokens(engine, model, B)
         loaded.clear()

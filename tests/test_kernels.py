@@ -10,7 +10,6 @@ from kernels import INT8_KERNELS, KERNELS, FastEngine, Int8Linear, KernelLinear,
 from model import Config
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
-COMPILED_ONLY = {kernels.DOT_PRODUCTS: kernels.dot_products}  # no eager candidate, but the same product
 
 
 def float64_product(layer, x):
@@ -21,7 +20,7 @@ def float64_product(layer, x):
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("bias", [True, False], ids=["mlp, with bias", "qkv, no bias"])
-@pytest.mark.parametrize("name", [*KERNELS, *COMPILED_ONLY])
+@pytest.mark.parametrize("name", [*KERNELS, *kernels.COMPILED_LINEARS])
 def test_every_kernel_computes_the_product_through_the_models_linear(name, bias, rows):
     if name in KERNELS and not kernels.runs_here(name, torch.device("cpu"), torch.float32):
         pytest.skip(f"kernel {name!r} needs a library this torch build lacks")
@@ -30,7 +29,7 @@ def test_every_kernel_computes_the_product_through_the_models_linear(name, bias,
     layer = block.mlp[0] if bias else block.attn.qkv
     x = torch.randn(rows, 1, layer.in_features)
     with torch.inference_mode():
-        got = KernelLinear(layer, (KERNELS | COMPILED_ONLY)[name])(x)
+        got = KernelLinear(layer, (KERNELS | kernels.COMPILED_LINEARS)[name])(x)
     assert got.shape == (rows, 1, layer.out_features) and got.is_contiguous()
     torch.testing.assert_close(got, float64_product(layer, x), rtol=1e-5, atol=1e-5)
 
@@ -127,7 +126,7 @@ def test_int8_quantization_keeps_every_weight_within_half_its_rows_scale_step():
     assert not (q[3]).any()
 
 
-@pytest.mark.parametrize("name", [*INT8_KERNELS, *COMPILED_ONLY])
+@pytest.mark.parametrize("name", [*INT8_KERNELS, *kernels.COMPILED_LINEARS])
 def test_every_int8_kernel_computes_the_dequantized_product(name):
     if name in INT8_KERNELS and not kernels.runs_here(name, torch.device("cpu"), torch.int8):
         pytest.skip(f"kernel {name!r} does not run in this torch build")
@@ -141,7 +140,7 @@ def test_every_int8_kernel_computes_the_dequantized_product(name):
             dequantized.weight.copy_(int8.weight.float() * int8.scales[:, None])
             if layer.bias is not None:
                 dequantized.bias.copy_(layer.bias)
-            got = KernelLinear(int8, (INT8_KERNELS | COMPILED_ONLY)[name])(x)
+            got = KernelLinear(int8, (INT8_KERNELS | kernels.COMPILED_LINEARS)[name])(x)
         torch.testing.assert_close(got, float64_product(dequantized, x), rtol=1e-5, atol=1e-5)
 
 

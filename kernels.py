@@ -384,32 +384,62 @@ def check_compiler(device, otherwise="or leave out --compile"):
 # packed, every core used) against ATen's, timed where it compiles (the last two options keep the
 # autotuner's tables off stderr); "plain" is inductor's default, ATen's multiplies on the weights as they
 # are; "dot products" exports every nn.Linear as dot_products, and its two options keep inductor from
-# computing the input (a layer norm, say) again inside every output's loop: it is stored once and read.
-# Besides inductor's options, a way may name the product its Linears are exported with ("linears", one
-# of COMPILED_LINEARS) and the most rows it is worth compiling for ("max_rows": past one row, dot products
-# are several times slower). Which way is fastest depends on the CPU and the rows, so DecodeStep compiles
-# (or loads) each and times them side by side on the machine it runs on (bench.py table 3 shows the
-# figures). AOTInductor calls the graph from C++.
+# computing the input (a layer norm, say) again inside every output's loop: it is stored once and read;
+# "autotuned, attention as math" is autotuned with the attention exported as its arithmetic
+# (attention_as_math), which inductor fuses with the rest, where ATen's flash attention for one query
+# per row costs more than the arithmetic. Besides inductor's options, a way may name the product its
+# Linears are exported with ("linears", one of COMPILED_LINEARS), its attention ("attention": "math")
+# and the rows it is worth compiling for ("min_rows", "max_rows": past one row, dot products are several
+# times slower; at one row, they beat every other product). Which way is fastest depends on the CPU and
+# the rows, so DecodeStep compiles (or loads) each and times them side by side on the machine it runs on
+# (bench.py table 3 shows the figures). AOTInductor calls the graph from C++.
 COMPILED_LINEARS = {"dot_products": dot_products}
-WAY_FIELDS = ("linears", "max_rows")  # a way's own; the rest are inductor's options
-DOT_PRODUCTS = "dot products"
-COMPILE_WAYS = {"cpu": {"autotuned": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                                      "autotune_num_choices_displayed": 0,
-                                      "max_autotune_report_choices_stats": False},
+WAY_FIELDS = ("linears", "attention", "min_rows", "max_rows")  # a way's own; the rest are inductor's options
+DOT_PRODUCTS, ATTENTION_AS_MATH = "dot products", "autotuned, attention as math"
+AUTOTUNED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+             "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+COMPILE_WAYS = {"cpu": {"autotuned": AUTOTUNED,
                         "plain": {},
                         DOT_PRODUCTS: {"linears": "dot_products", "max_rows": 1,
-                                       "realize_cpu_opcount_threshold": 0, "realize_reads_threshold": 1}},
+                                       "realize_cpu_opcount_threshold": 0, "realize_reads_threshold": 1},
+                        ATTENTION_AS_MATH: {**AUTOTUNED, "attention": "math", "min_rows": 2}},
                 "cuda": {"plain": {}}}
 
 
 def compile_ways(device, batch):
     """COMPILE_WAYS for this device that are worth compiling for `batch` rows."""
-    return {name: way for name, way in COMPILE_WAYS[device.type].items() if batch <= way.get("max_rows", batch)}
+    return {name: way for name, way in COMPILE_WAYS[device.type].items()
+            if way.get("min_rows", 1) <= batch <= way.get("max_rows", batch)}
 
 
 def way_model(model, way):
     """The model as `way` (a COMPILE_WAYS entry) is compiled: its Linears as the way's "linears", if it names them."""
     return with_kernel(model, COMPILED_LINEARS[way["linears"]]) if "linears" in way else model
+
+
+def attention_as_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention for the decode step (no dropout, no causal mask) as its arithmetic:
+    softmax(q k^T / sqrt(d), masked) v."""
+    assert dropout_p == 0 and not is_causal, "the decode step's attention: one query a row, no dropout"
+    if enable_gqa and k.shape[1] != q.shape[1]:  # each key head serves a group of query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return scores.softmax(-1) @ v
+
+
+class AttentionAsMath(torch.overrides.TorchFunctionMode):
+    """While on (in this thread only), F.scaled_dot_product_attention runs as attention_as_math: how a way
+    with "attention": "math" exports the step, the model's own code unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            return attention_as_math(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+COMPILED_ATTENTION = {"math": AttentionAsMath}
 
 
 def weights_state(model):
@@ -531,25 +561,35 @@ def warnings_off(logger_name):
 class GraphCache(KVCache):
     """A KVCache that a graph-safe step can write: one token per row, each row at its own position
     given as a (B,) tensor, nothing read on the host (what an exported program and a CUDA graph need).
-    Attention then reads every slot, and a mask hides the ones not written yet."""
+    Attention reads the first n slots, n the length of `attended` (the slots' numbers, every slot
+    unless set), and a mask hides any slot a row has not written yet: DecodeStep sets n to the slots
+    written so far, so a step early in a generation does not read the empty rest."""
 
     def __init__(self, batch, n_layers, max_len, *args, **kwargs):
         super().__init__(batch, n_layers, max_len, *args, **kwargs)
+        # Stored with one slot more than the ring, never written or read: the first n slots are then
+        # never the whole storage, which torch.export would otherwise make a case of its own (n == max_len)
+        # instead of one compiled step for every n.
+        stored = (*self.heads_k.shape[:3], max_len + 1, self.heads_k.shape[4])
+        self.heads_k, self.heads_v = (self.heads_k.new_zeros(stored)[:, :, :, :max_len] for _ in range(2))
+        self.k, self.v = self.heads_k.transpose(2, 3), self.heads_v.transpose(2, 3)
         device = self.heads_k.device
         self.layer_ids, self.rows, self.slots = (torch.arange(n, device=device) for n in (n_layers, batch, max_len))
+        self.attended = self.slots
 
     def insert_kv(self, layer, k, v, start):
         if isinstance(start, int):
             return super().insert_kv(layer, k, v, start)
-        B, L = k.shape[0], self.heads_k.shape[3]
-        # written through the storage itself, not a view of it: compiled, a write into a view
+        B, L, n = k.shape[0], self.heads_k.shape[3], self.attended.shape[0]
+        # written through heads_k itself, not a view of one layer: compiled, a write into a view
         # becomes a copy of the whole cache every step
         layer_id, slot = self.layer_ids[layer:layer + 1], start % L
         self.heads_k[layer_id, self.rows, :, slot] = k[:, :, 0]
         self.heads_v[layer_id, self.rows, :, slot] = v[:, :, 0]
         if layer == self.heads_k.shape[0] - 1:
             self.cache_seqlens += 1
-        return self.heads_k[layer], self.heads_v[layer], (self.slots <= start.view(B, 1)).view(B, 1, 1, L)
+        mask = (self.attended <= start.view(B, 1)).view(B, 1, 1, n)
+        return self.heads_k[layer][:, :, :n], self.heads_v[layer][:, :, :n], mask
 
 
 class StepProgram(nn.Module):
@@ -560,9 +600,9 @@ class StepProgram(nn.Module):
         super().__init__()
         self.model, self.cache = model, cache
 
-    def forward(self, token, heads_k, heads_v, cache_seqlens):
+    def forward(self, token, heads_k, heads_v, cache_seqlens, attended):
         cache = copy.copy(self.cache)  # the same cache, its stored tensors the program's inputs
-        cache.heads_k, cache.heads_v, cache.cache_seqlens = heads_k, heads_v, cache_seqlens
+        cache.heads_k, cache.heads_v, cache.cache_seqlens, cache.attended = heads_k, heads_v, cache_seqlens, attended
         cache.k, cache.v = heads_k.transpose(2, 3), heads_v.transpose(2, 3)
         return self.model.step(token, cache, cache_seqlens.long())
 
@@ -638,7 +678,7 @@ class DecodeStep:
 
     def _compiled(self, ways, folder):
         """The compiled step that runs: the only way, or the fastest of the ways here."""
-        model, cache, inputs = self.model, self.cache, self._inputs()
+        model, cache = self.model, self.cache
         ways = ways or compile_ways(cache.k.device, cache.shape["batch"])
         keys = step_keys(model, cache, ways)
         choice = choice_path(folder, list(keys.values()))
@@ -648,7 +688,7 @@ class DecodeStep:
         made = {name: self._kept_or_compiled(dict(o), keys[name], folder) for name, o in ways.items()}
         self.loaded = all(loaded for _, _, loaded in made.values())
         # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
-        runs = {name: lambda loader=runner.loader: loader.boxed_run(list(inputs))[0]
+        runs = {name: lambda loader=runner.loader: loader.boxed_run(self._inputs())[0]
                 for name, (runner, _, _) in made.items()}
         if len(runs) > 1:
             self.way_ms = self._time_ways(runs)
@@ -682,8 +722,14 @@ class DecodeStep:
             # raised by torch.export and by inductor's autotuner about their own internals
             warnings.filterwarnings("ignore", "TypedStorage is deprecated")
             warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            program = torch.export.export(StepProgram(way_model(self.model, way), self.cache), tuple(self._inputs()),
-                                          strict=False)
+            # One program for every number of slots attended, exported at half of them: inductor tunes
+            # its kernels for the example's sizes, and at all of them it made a step that reads them all.
+            slots = self.cache.shape["max_len"]
+            example = (*self._inputs()[:-1], self.cache.slots[:max(1, slots // 2)])
+            attended = {0: torch.export.Dim("attended", min=1, max=slots)}
+            with COMPILED_ATTENTION[way["attention"]]() if "attention" in way else contextlib.nullcontext():
+                program = torch.export.export(StepProgram(way_model(self.model, way), self.cache), example,
+                                              dynamic_shapes=(None, None, None, None, attended), strict=False)
             options = {name: value for name, value in way.items() if name not in WAY_FIELDS}
             torch._inductor.aoti_compile_and_package(
                 program, package_path=package, inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
@@ -710,7 +756,7 @@ class DecodeStep:
         return {name: t * 1e3 for name, t in seconds.items()}
 
     def _inputs(self):
-        return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens]
+        return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens, self.cache.attended]
 
     def _check_against_eager(self):
         """Refuse a compiled step whose first step is not the eager one's, in its logits or in the cache it
@@ -747,9 +793,12 @@ class DecodeStep:
             self.logits = self.run()
 
     def __call__(self, token, pos):
-        """Feed token (B, 1); pos is unused (the positions live on the device). Returns logits (B, vocab)."""
+        """Feed token (B, 1) at position pos, every row's (each row's own lives on the device, in
+        cache_seqlens); returns logits (B, vocab). The step attends to the slots written by then, pos + 1
+        or the whole ring, and a captured graph to every slot, as it was captured."""
         self.token.copy_(token)
         if self.graph is None:
+            self.cache.attended = self.cache.slots[:pos + 1]
             return self.run()
         self.graph.replay()
         return self.logits

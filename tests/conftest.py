@@ -247,14 +247,15 @@ def compiled_model():
 
 def compile_ahead(folder):
     """compiled_model()'s steps compiled into folder, as the tests run them: for COMPILED_ROWS rows float32
-    and int8 the plain way and float32 the autotuned way, and for one row float32 the dot-products way."""
+    and int8 the plain way and float32 the autotuned ways, and for one row float32 the dot-products way."""
     os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
     kernels.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()
     for dtype in (torch.float32, torch.int8):
         kernels.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
     with torch.inference_mode():
-        for batch, way in ((1, kernels.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned")):
+        for batch, way in ((1, kernels.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned"),
+                           (COMPILED_ROWS, kernels.ATTENTION_AS_MATH)):
             cache = kernels.GraphCache.for_model(model, batch, COMPILED.context)
             kernels.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder)
 

@@ -112,6 +112,7 @@ def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
         "model class": step_key(break_on_purpose(copy.deepcopy(model), "rope"), cache, {}),
         "options": step_key(model, cache, {"freezing": True}),
         "linears as dot products": step_key(model, cache, {"linears": "dot_products"}),
+        "attention as math": step_key(model, cache, {"attention": "math"}),
     }
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     others["torch"] = step_key(model, cache, {})
@@ -229,8 +230,11 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
         kept, monkeypatch):
     monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
     ways = kernels.compile_ways(torch.device("cpu"), B)
-    # dot products are not worth compiling for B rows: each row would read every weight again
+    # dot products are not worth compiling for B rows: each row would read every weight again; and at one
+    # row, where they are, nor is the autotuned step with its attention as math
     assert kernels.DOT_PRODUCTS not in ways and B > AS_SET["cpu"][kernels.DOT_PRODUCTS]["max_rows"]
+    assert kernels.ATTENTION_AS_MATH in ways
+    assert kernels.ATTENTION_AS_MATH not in kernels.compile_ways(torch.device("cpu"), 1)
     model, folder, _ = kept  # conftest.compile_ahead kept a package for each way there
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)

@@ -1,11 +1,14 @@
 """kernels.py: every candidate computes nn.Linear's product; only an exact one can be chosen, once per batch."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernels
+import model as model_py
 import sample_grid
 from cached import CachedGPT
 from conftest import COMPILED_ROWS, assert_refused, run_main
+from prefill_clone import Engine
 from kernels import INT8_KERNELS, KERNELS, FastEngine, Int8Linear, KernelLinear, choose, time_kernels, with_kernel
 from model import Config
 
@@ -124,6 +127,32 @@ def test_int8_quantization_keeps_every_weight_within_half_its_rows_scale_step():
     largest = weight.abs().amax(dim=1)
     assert torch.allclose(scales[largest > 0], largest[largest > 0] / 127.5)  # each row's largest: 127.5 steps
     assert not (q[3]).any()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["a key head a query head", "grouped-query"])
+def test_attention_as_math_gives_sdpas_output_for_one_query_a_row_over_masked_slots(kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 1, 16, generator=gen)
+    k, v = (torch.randn(3, kv_heads, 10, 16, generator=gen) for _ in range(2))
+    mask = (torch.arange(10) <= torch.tensor([2, 9, 5])[:, None]).view(3, 1, 1, 10)  # each row its own slots
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4)
+    torch.testing.assert_close(kernels.attention_as_math(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4), want)
+    with kernels.AttentionAsMath():  # how a way with "attention": "math" exports the step
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                  enable_gqa=kv_heads != 4), want)
+
+
+def test_the_graph_safe_step_reads_only_the_slots_written_so_far_and_gives_the_engines_tokens(monkeypatch):
+    model, prompt = CachedGPT(SMALL).eval(), [5, 17, 300]
+    want = Engine(model).generate_batch(prompt, 2, max_tokens=40, temperature=0)[0]
+    engine = FastEngine(model, cuda_graph=True)  # on a CPU: the graph-safe step, run eagerly
+    engine.prepare(2)
+    read, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(model_py.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kwargs: read.append(k.shape[-2]) or sdpa(q, k, v, **kwargs))
+    assert engine.generate_batch(prompt, 2, max_tokens=40, temperature=0)[0] == want
+    # the prompt's pass, then a step for each token but the last: pos + 1 slots, then the whole ring
+    assert read[::SMALL.n_layers] == [3] + [min(pos + 1, SMALL.context) for pos in range(3, 3 + 39)]
 
 
 @pytest.mark.parametrize("name", [*INT8_KERNELS, *kernels.COMPILED_LINEARS])

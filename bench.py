@@ -38,9 +38,10 @@ A figure near 100% cannot get much faster; one at 20% can.
    and in all, and both must give the same tokens.
 3. The decode step's matrix multiply: every exact kernel in kernels.py timed
    here, the one the Engine chose, and a whole step with it and with nn.Linear;
-   on the CPU, the step compiled each of kernels.COMPILE_WAYS (autotuned C++ multiplies on
-   frozen weights, inductor's plain ATen ones, and each output as one dot-product loop): the
-   Engine runs whichever is fastest here.
+   on the CPU, the step compiled each of kernels.COMPILE_WAYS worth compiling for the rows
+   (autotuned C++ multiplies on frozen weights, inductor's plain ATen ones; for one row each
+   output as one dot-product loop, for more the autotuned step with its attention as its
+   arithmetic): the Engine runs whichever is fastest here.
 4. The post's two loops, timed whole, beside the Engine (kernels.FastEngine: the
    preallocated ring cache, fastest kernel) as it runs by default, compiled (compile=True,
    compile time reported apart), in bfloat16, and with int8 weights eager and compiled;
@@ -538,17 +539,18 @@ def table_kernels(model, device, sizes, runs, out):
         print(f"  batch {batch:>2}: {cells}")
         print(f"            chosen: {chosen}; whole step {row['step_ms_chosen']:.3f} ms, "
               f"with nn.Linear {row['step_ms_nn']:.3f} ms", flush=True)
-        if batch == 1 and device.type == "cpu" and sizes["compiled_ways"]:
-            row["compiled_step_ms"] = compiled_ways(model, device, steps, runs)
+        if device.type == "cpu" and sizes["compiled_ways"]:
+            row["compiled_step_ms"] = compiled_ways(model, device, batch, steps, runs)
             ways = ", ".join(f"{name} {ms:.3f} ms" for name, ms in row["compiled_step_ms"].items())
             print(f"            compiled (kernels.COMPILE_WAYS, the Engine runs the fastest): whole step {ways}")
 
 
-def compiled_ways(model, device, steps, runs):
-    """The batch-1 step compiled each of kernels.COMPILE_WAYS, timed in turns at a full cache (ms), as the
-    Engine times them to choose (here with the bench's runs and medians)."""
-    token, cache = decode_fixture(model, 1, device)
-    ways = {name: DecodeStep(model, cache, compile=True, ways={name: o}) for name, o in compile_ways(device, 1).items()}
+def compiled_ways(model, device, batch, steps, runs):
+    """The step for `batch` rows compiled each of kernels.COMPILE_WAYS worth compiling for them, timed in
+    turns at a full cache (ms), as the Engine times them to choose (here with the bench's runs and medians)."""
+    token, cache = decode_fixture(model, batch, device)
+    ways = {name: DecodeStep(model, cache, compile=True, ways={name: o})
+            for name, o in compile_ways(device, batch).items()}
     full = model.cfg.context  # a position past the window: each step attends to every slot
     timed = measure({name: lambda s=s: [s(token, full) for _ in range(steps)] for name, s in ways.items()},
                     runs, device)

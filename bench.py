@@ -547,7 +547,7 @@ def table_kernels(model, device, sizes, runs, out):
 
 def compiled_ways(model, device, batch, steps, runs):
     """The step for `batch` rows compiled each of kernels.COMPILE_WAYS worth compiling for them, timed in
-    turns at a full cache (ms), as the Engine times them to choose (here with the bench's runs and medians)."""
+    turns at a full cache (ms), with the bench's runs and medians (the Engine, to choose, times them at half)."""
     token, cache = decode_fixture(model, batch, device)
     ways = {name: DecodeStep(model, cache, compile=True, ways={name: o})
             for name, o in compile_ways(device, batch).items()}

@@ -155,6 +155,15 @@ def test_the_graph_safe_step_reads_only_the_slots_written_so_far_and_gives_the_e
     assert read[::SMALL.n_layers] == [3] + [min(pos + 1, SMALL.context) for pos in range(3, 3 + 39)]
 
 
+@pytest.mark.parametrize("knobs", [dict(temperature=1.5, top_p=0.9, penalty=1.3),
+                                   dict(settings=[dict(temperature=0), dict(top_k=5), dict(top_k=5)])],
+                         ids=["knobs every row shares: one pick", "a row's own knobs: a pick per group"])
+def test_the_fast_engines_pick_gives_the_lesson_engines_tokens(knobs):
+    model = CachedGPT(SMALL).eval()
+    want = Engine(model).generate_batch([5, 17, 300], 3, max_tokens=12, seed=[4, 5, 6], **knobs)
+    assert FastEngine(model).generate_batch([5, 17, 300], 3, max_tokens=12, seed=[4, 5, 6], **knobs) == want
+
+
 @pytest.mark.parametrize("name", [*INT8_KERNELS, *kernels.COMPILED_LINEARS])
 def test_every_int8_kernel_computes_the_dequantized_product(name):
     if name in INT8_KERNELS and not kernels.runs_here(name, torch.device("cpu"), torch.int8):

@@ -728,8 +728,8 @@ class DecodeStep:
             # One program for every number of slots attended, exported at half of them: inductor tunes
             # its kernels for the example's sizes, and at all of them it made a step that reads them all.
             slots = self.cache.shape["max_len"]
-            example = (*self._inputs()[:-1], self.cache.slots[:max(1, slots // 2)])
-            attended = {0: torch.export.Dim("attended", min=1, max=slots)}
+            example = (*self._inputs()[:-1], self._half_the_slots())
+            attended = {0: torch.export.Dim("attended", min=1, max=slots)} if slots > 1 else None
             with COMPILED_ATTENTION[way["attention"]]() if "attention" in way else contextlib.nullcontext():
                 program = torch.export.export(StepProgram(way_model(self.model, way), self.cache), example,
                                               dynamic_shapes=(None, None, None, None, attended), strict=False)
@@ -754,7 +754,7 @@ class DecodeStep:
         cache = self.cache
         live, attended = (cache.heads_k, cache.heads_v, cache.cache_seqlens), cache.attended
         saved = [t.clone() for t in live]
-        cache.attended = cache.slots[:max(1, len(cache.slots) // 2)]
+        cache.attended = self._half_the_slots()
         for run in runs.values():
             run(), run()
         seconds = least_disturbed(runs, cache.k.device, rounds, steps)
@@ -762,6 +762,12 @@ class DecodeStep:
             t.copy_(kept)
         cache.attended = attended
         return {name: t * 1e3 for name, t in seconds.items()}
+
+    def _half_the_slots(self):
+        """The first half of the ring's slots (at least two, if it has them; a length of 1 would make
+        torch.export take it for a constant)."""
+        slots = self.cache.shape["max_len"]
+        return self.cache.slots[:min(slots, max(2, slots // 2))]
 
     def _inputs(self):
         return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens, self.cache.attended]

@@ -15,7 +15,7 @@ import kernels
 from cached import break_on_purpose
 from cli import run_cli
 from kernels import FastEngine, compiler_missing, step_key
-from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model
+from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model, smallest_ring_model
 from prefill_clone import Engine, KVCache
 
 pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
@@ -64,6 +64,15 @@ def test_one_compile_per_batch_serves_every_prompt_and_length(kept):
             eager = Engine(model).generate_batch(prompt, B, max_tokens=n, **knobs)[0]
             assert engine.generate_batch(prompt, B, max_tokens=n, **knobs)[0] == eager
     assert list(engine.compile_seconds) == list(engine.steps) == [B]
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_the_smallest_rings_compile_and_give_the_eager_tokens_past_the_window(compiled, context):
+    model = smallest_ring_model(context)
+    engine = FastEngine(model, compile=True, compile_cache=compiled.folder)  # compile_ahead kept its step there
+    for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        eager = Engine(model).generate_batch([3], B, max_tokens=6, **knobs)[0]
+        assert engine.generate_batch([3], B, max_tokens=6, **knobs)[0] == eager
 
 
 def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_eager_tokens(kept, light,

@@ -566,15 +566,17 @@ class GraphCache(KVCache):
     unless set), and a mask hides any slot a row has not written yet: DecodeStep sets n to the slots
     written so far, so a step early in a generation does not read the empty rest."""
 
-    def __init__(self, batch, n_layers, max_len, *args, **kwargs):
-        super().__init__(batch, n_layers, max_len, *args, **kwargs)
-        # Stored with one slot more than the ring, never written or read: the first n slots are then
-        # never the whole storage, which torch.export would otherwise make a case of its own (n == max_len)
-        # instead of one compiled step for every n.
-        stored = (*self.heads_k.shape[:3], max_len + 1, self.heads_k.shape[4])
-        self.heads_k, self.heads_v = (self.heads_k.new_zeros(stored)[:, :, :, :max_len] for _ in range(2))
+    def __init__(self, batch, n_layers, max_len, n_kv_heads, head_dim, context=None, dtype=torch.float32,
+                 device="cpu"):
+        assert context is None or max_len <= context, "a cache longer than the context"
+        super().__init__(batch, n_layers, 0, n_kv_heads, head_dim, context or max_len, dtype, device)
+        # KVCache's storage, made here with one slot more than the ring, never written or read: the first
+        # n slots are then never the whole storage, which torch.export would otherwise make a case of its
+        # own (n == max_len) instead of one compiled step for every n.
+        stored = (n_layers, batch, n_kv_heads, max_len + 1, head_dim)
+        self.heads_k, self.heads_v = (torch.zeros(stored, dtype=dtype, device=device)[:, :, :, :max_len]
+                                      for _ in range(2))
         self.k, self.v = self.heads_k.transpose(2, 3), self.heads_v.transpose(2, 3)
-        device = self.heads_k.device
         self.layer_ids, self.rows, self.slots = (torch.arange(n, device=device) for n in (n_layers, batch, max_len))
         self.attended = self.slots
 

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 import kernels
-from cached import CachedGPT, break_on_purpose
+from cached import break_on_purpose
 from cli import run_cli
 from kernels import FastEngine, compiler_missing, step_key
-from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model
-from model import Config
+from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model, smallest_ring_model
 from prefill_clone import Engine, KVCache
 
 pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
@@ -68,12 +67,9 @@ def test_one_compile_per_batch_serves_every_prompt_and_length(kept):
 
 
 @pytest.mark.parametrize("context", [1, 2])
-def test_the_smallest_rings_compile_and_give_the_eager_tokens_past_the_window(context, tmp_path):
-    # 2: the fewest slots a step attends to that vary; 1: a ring whose one length is exported as a constant.
-    # Compiled here, beside conftest.compile_ahead, which the tests that use its steps wait for.
-    torch.manual_seed(0)
-    model = CachedGPT(Config(vocab_size=64, d_model=16, n_heads=2, n_layers=1, context=context)).eval()
-    engine = FastEngine(model, compile=True, compile_cache=tmp_path)
+def test_the_smallest_rings_compile_and_give_the_eager_tokens_past_the_window(compiled, context):
+    model = smallest_ring_model(context)
+    engine = FastEngine(model, compile=True, compile_cache=compiled.folder)  # compile_ahead kept its step there
     for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
         eager = Engine(model).generate_batch([3], B, max_tokens=6, **knobs)[0]
         assert engine.generate_batch([3], B, max_tokens=6, **knobs)[0] == eager

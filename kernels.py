@@ -727,17 +727,9 @@ class DecodeStep:
             # raised by torch.export and by inductor's autotuner about their own internals
             warnings.filterwarnings("ignore", "TypedStorage is deprecated")
             warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            # One program for every number of slots attended, exported at half of them: inductor tunes
-            # its kernels for the example's sizes, and at all of them it made a step that reads them all.
-            slots = self.cache.shape["max_len"]
-            example = (*self._inputs()[:-1], self._half_the_slots())
-            attended = {0: torch.export.Dim("attended", min=1, max=slots)} if slots > 1 else None
-            with COMPILED_ATTENTION[way["attention"]]() if "attention" in way else contextlib.nullcontext():
-                program = torch.export.export(StepProgram(way_model(self.model, way), self.cache), example,
-                                              dynamic_shapes=(None, None, None, None, attended), strict=False)
             options = {name: value for name, value in way.items() if name not in WAY_FIELDS}
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=package, inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
+            torch._inductor.aoti_compile_and_package(self.exported(way), package_path=package,
+                                                     inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
         try:
             with atomic_write(path) as f:
                 f.write(package.getbuffer())
@@ -747,6 +739,17 @@ class DecodeStep:
         if runner is None:
             raise RuntimeError(f"{rows} was compiled but cannot be loaded ({unusable})")
         return runner, path, False
+
+    def exported(self, way):
+        """The step as torch.export makes it for `way` (a COMPILE_WAYS entry): one program for every number
+        of slots attended, exported at half of them (inductor tunes its kernels for the example's sizes,
+        and at all of them it made a step that reads them all)."""
+        slots = self.cache.shape["max_len"]
+        example = (*self._inputs()[:-1], self._half_the_slots())
+        attended = {0: torch.export.Dim("attended", min=1, max=slots)} if slots > 1 else None
+        with COMPILED_ATTENTION[way["attention"]]() if "attention" in way else contextlib.nullcontext():
+            return torch.export.export(StepProgram(way_model(self.model, way), self.cache), example,
+                                       dynamic_shapes=(None, None, None, None, attended), strict=False)
 
     def _time_ways(self, runs, steps=10, rounds=5):
         """{name: ms a step} for each compiled way, the ways taking turns and the least disturbed round kept

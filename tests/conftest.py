@@ -245,25 +245,14 @@ def compiled_model():
     return model
 
 
-def smallest_ring_model(context):
-    """A model whose ring holds `context` slots, 1 or 2: the least number of slots a step attends to
-    that varies (2), and a ring whose one length the compiled step takes as a constant (1)."""
-    from cached import CachedGPT
-    torch.manual_seed(0)
-    return CachedGPT(Config(vocab_size=64, d_model=16, n_heads=2, n_layers=1, context=context)).eval()
-
-
 def compile_ahead(folder):
     """compiled_model()'s steps compiled into folder, as the tests run them: for COMPILED_ROWS rows float32
-    and int8 the plain way and float32 the autotuned ways, and for one row float32 the dot-products way;
-    and the smallest rings' steps for COMPILED_ROWS rows, the plain way."""
+    and int8 the plain way and float32 the autotuned ways, and for one row float32 the dot-products way."""
     os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
     kernels.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()
     for dtype in (torch.float32, torch.int8):
         kernels.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
-    for context in (1, 2):
-        kernels.FastEngine(smallest_ring_model(context), compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
     with torch.inference_mode():
         for batch, way in ((1, kernels.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned"),
                            (COMPILED_ROWS, kernels.ATTENTION_AS_MATH)):

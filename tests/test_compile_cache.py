@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import kernels
-from cached import break_on_purpose
+from cached import CachedGPT, break_on_purpose
 from cli import run_cli
-from kernels import FastEngine, compiler_missing, step_key
-from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model, smallest_ring_model
+from kernels import DecodeStep, FastEngine, GraphCache, compiler_missing, step_key
+from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model
+from model import Config
 from prefill_clone import Engine, KVCache
 
 pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
@@ -66,13 +67,24 @@ def test_one_compile_per_batch_serves_every_prompt_and_length(kept):
     assert list(engine.compile_seconds) == list(engine.steps) == [B]
 
 
-@pytest.mark.parametrize("context", [1, 2])
-def test_the_smallest_rings_compile_and_give_the_eager_tokens_past_the_window(compiled, context):
-    model = smallest_ring_model(context)
-    engine = FastEngine(model, compile=True, compile_cache=compiled.folder)  # compile_ahead kept its step there
-    for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
-        eager = Engine(model).generate_batch([3], B, max_tokens=6, **knobs)[0]
-        assert engine.generate_batch([3], B, max_tokens=6, **knobs)[0] == eager
+@pytest.mark.parametrize("context", [1, 2, 5])
+def test_one_exported_step_serves_every_number_of_slots_and_gives_the_eager_steps_logits_and_cache(context):
+    # 1: a ring whose one length is exported as a constant; 2: the fewest slots whose number varies
+    torch.manual_seed(0)
+    model = CachedGPT(Config(vocab_size=64, d_model=16, n_heads=2, n_layers=1, context=context)).eval()
+    with torch.inference_mode():
+        cache = GraphCache.for_model(model, 2, context)
+        step = DecodeStep(model, cache)  # eager: what the exported program must compute
+        program = step.exported(LIGHT["cpu"]["plain"]).module()
+        cache.heads_k.normal_(generator=torch.Generator().manual_seed(1))
+        cache.heads_v.normal_(generator=torch.Generator().manual_seed(2))
+        cache.cache_seqlens.copy_(torch.tensor([context - 1, context + 3]))  # a row at the ring's end, one past it
+        for n in range(1, context + 1):
+            cache.attended = cache.slots[:n]
+            exported = step._rehearse(lambda: program(*step._inputs()))
+            eager = step._rehearse(step._step)
+            for got, want in zip(exported, eager):
+                torch.testing.assert_close(got, want)
 
 
 def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_eager_tokens(kept, light,

@@ -857,8 +857,9 @@ class FastEngine(Engine):
         self.source, self.weights = model, weights_state(model)
         self.kernel, self.compile, self.cuda_graph, self.dtype = kernel, compile, cuda_graph, dtype
         self.compile_cache = compile_cache
-        # a compiled or graphed step is made once per batch and kept; it reads every slot of a
-        # full-context cache behind a mask, so one of them serves every prompt and length
+        # a compiled or graphed step is made once per batch and kept; its cache holds the full context
+        # and it reads the slots written so far (a graph: all of them, behind a mask), so one of them
+        # serves every prompt and length
         self.keeps_step = compile or cuda_graph
         self.chosen, self.kernel_models, self.steps, self.compile_seconds = {}, {}, {}, {}  # keyed by batch
 

@@ -245,14 +245,16 @@ def compiled_model():
     return model
 
 
-def compile_ahead(folder):
+def compile_ahead(folder, plain_kept):
     """compiled_model()'s steps compiled into folder, as the tests run them: for COMPILED_ROWS rows float32
-    and int8 the plain way and float32 the autotuned ways, and for one row float32 the dot-products way."""
+    and int8 the plain way (then plain_kept is set: what the `compiled` fixture loads), and float32 the
+    autotuned ways, and for one row float32 the dot-products way (what `every_way_compiled` waits for)."""
     os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
     kernels.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()
     for dtype in (torch.float32, torch.int8):
         kernels.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
+    plain_kept.set()
     with torch.inference_mode():
         for batch, way in ((1, kernels.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned"),
                            (COMPILED_ROWS, kernels.ATTENTION_AS_MATH)):
@@ -260,25 +262,28 @@ def compile_ahead(folder):
             kernels.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder)
 
 
-def uses_compiled(item):
-    return "compiled" in getattr(item, "fixturenames", ())
+def uses(item, fixture):
+    return fixture in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that run compiled steps run last, so the steps compile beside the tests before them."""
-    items.sort(key=uses_compiled)  # a stable sort: each group keeps its order
+    """The tests that run compiled steps run last, so the steps compile beside the tests before them;
+    those that need every way's step after the others, which run while the last of them compile."""
+    items.sort(key=lambda item: (uses(item, "compiled"), uses(item, "every_way_compiled")))  # a stable sort
 
 
 @pytest.fixture(autouse=True, scope="session")
 def compiling(request, tmp_path_factory):
     """compile_ahead, in a process of its own started with the session, when any test will run a compiled
-    step (compiling is mostly one core's work, and many tests leave the other idle): (home, folder, process)."""
+    step (compiling is mostly one core's work, and many tests leave the other idle): (home, folder, process,
+    plain_kept)."""
     home = tmp_path_factory.mktemp("compiled")
-    folder, process = home / "tiny-gpt", None
-    if any(map(uses_compiled, request.session.items)):
-        process = multiprocessing.get_context("spawn").Process(target=compile_ahead, args=(str(folder),))
+    spawn = multiprocessing.get_context("spawn")
+    folder, process, plain_kept = home / "tiny-gpt", None, spawn.Event()
+    if any(uses(item, "compiled") for item in request.session.items):
+        process = spawn.Process(target=compile_ahead, args=(str(folder), plain_kept))
         process.start()
-    yield home, folder, process
+    yield home, folder, process, plain_kept
     if process is not None and process.is_alive():  # only a run stopped early (-x) gets here before it ends
         process.terminate()
         process.join()
@@ -290,12 +295,22 @@ def compiled(compiling, one_plain_compile_way):
     the compile cache `folder` (the default one when XDG_CACHE_HOME is `home`), where compile_ahead keeps
     every step the tests run compiled; a step it did not keep (it failed) is compiled here."""
     from kernels import FastEngine
-    home, folder, process = compiling
-    if process is not None:  # None where no collected test asked for this fixture by name (getfixturevalue)
-        process.join()
+    home, folder, process, plain_kept = compiling
+    # process is None where no collected test asked for this fixture by name (getfixturevalue)
+    while process is not None and process.is_alive() and not plain_kept.wait(1):
+        pass
     model = compiled_model()
     f32 = FastEngine(model, compile=True, compile_cache=folder)
     f32.prepare(COMPILED_ROWS)
     int8 = FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder)
     int8.prepare(COMPILED_ROWS)
     return SimpleNamespace(model=model, home=home, folder=folder, f32=f32, int8=int8)
+
+
+@pytest.fixture(scope="session")
+def every_way_compiled(compiled, compiling):
+    """`compiled`, once compile_ahead has kept every step it compiles (the autotuned ways, dot products)."""
+    process = compiling[2]
+    if process is not None:
+        process.join()
+    return compiled

@@ -35,6 +35,12 @@ def kept(compiled):
 
 
 @pytest.fixture
+def kept_every_way(every_way_compiled):
+    """kept, once conftest.compile_ahead has kept every way's step too."""
+    return every_way_compiled.model, every_way_compiled.folder, every_way_compiled.f32
+
+
+@pytest.fixture
 def light(monkeypatch):
     monkeypatch.setattr(kernels, "COMPILE_WAYS", LIGHT)
 
@@ -248,7 +254,7 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_t
 
 
 def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_load_only_it(
-        kept, monkeypatch):
+        kept_every_way, monkeypatch):
     monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
     ways = kernels.compile_ways(torch.device("cpu"), B)
     # dot products are not worth compiling for B rows: each row would read every weight again; and at one
@@ -256,7 +262,7 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
     assert kernels.DOT_PRODUCTS not in ways and B > AS_SET["cpu"][kernels.DOT_PRODUCTS]["max_rows"]
     assert kernels.ATTENTION_AS_MATH in ways
     assert kernels.ATTENTION_AS_MATH not in kernels.compile_ways(torch.device("cpu"), 1)
-    model, folder, _ = kept  # conftest.compile_ahead kept a package for each way there
+    model, folder, _ = kept_every_way  # conftest.compile_ahead kept a package for each way there
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
     step = engine.steps[B]
@@ -289,8 +295,8 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
     assert open(choice).read() == "{not json"
 
 
-def test_one_rows_step_compiled_as_dot_products_gives_the_eager_tokens(kept, monkeypatch):
-    model, folder, _ = kept  # conftest.compile_ahead kept that step there
+def test_one_rows_step_compiled_as_dot_products_gives_the_eager_tokens(kept_every_way, monkeypatch):
+    model, folder, _ = kept_every_way  # conftest.compile_ahead kept that step there
     monkeypatch.setattr(kernels, "COMPILE_WAYS", {"cpu": {kernels.DOT_PRODUCTS: AS_SET["cpu"][kernels.DOT_PRODUCTS]}})
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(1)

@@ -757,14 +757,11 @@ class DecodeStep:
         its first calls), each step attending to half the ring's slots, as one mid-way through a generation
         that fills it does; the steps write into the cache, which is put back after."""
         cache = self.cache
-        live, attended = (cache.heads_k, cache.heads_v, cache.cache_seqlens), cache.attended
-        saved = [t.clone() for t in live]
-        cache.attended = self._half_the_slots()
-        for run in runs.values():
-            run(), run()
-        seconds = least_disturbed(runs, cache.k.device, rounds, steps)
-        for t, kept in zip(live, saved):
-            t.copy_(kept)
+        attended, cache.attended = cache.attended, self._half_the_slots()
+        with self._cache_put_back():
+            for run in runs.values():
+                run(), run()
+            seconds = least_disturbed(runs, cache.k.device, rounds, steps)
         cache.attended = attended
         return {name: t * 1e3 for name, t in seconds.items()}
 
@@ -789,16 +786,22 @@ class DecodeStep:
                 raise RuntimeError(f"the compiled decode step ({shown(self.package)}) does not compute what the "
                                    "eager step does; delete that file and run again")
 
-    def _rehearse(self, fn):
-        """Run fn, then put the cache back as it was (rehearsals must not count as steps); returns what fn
-        returned and the cache it left."""
+    @contextlib.contextmanager
+    def _cache_put_back(self):
+        """After the block, the cache as it was before it (rehearsals and timings must not count as steps)."""
         live = (self.cache.k, self.cache.v, self.cache.cache_seqlens)
         saved = [t.clone() for t in live]
-        out = fn()
-        after = [out.clone() if out is not None else None] + [t.clone() for t in live]
-        for t, kept in zip(live, saved):
-            t.copy_(kept)
-        return after
+        try:
+            yield live
+        finally:
+            for t, kept in zip(live, saved):
+                t.copy_(kept)
+
+    def _rehearse(self, fn):
+        """Run fn, then put the cache back as it was; returns what fn returned and the cache it left."""
+        with self._cache_put_back() as live:
+            out = fn()
+            return [out.clone() if out is not None else None] + [t.clone() for t in live]
 
     def _capture(self):
         side = torch.cuda.Stream()

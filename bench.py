@@ -675,9 +675,10 @@ def last_run(result):
     return rows, seconds[-1]
 
 
-def table_peers(model, engines, device, sizes, runs, bandwidth, out):
+def table_peers(model, engines, device, sizes, runs, bandwidth, decode, out):
     """The same weights through the serving engines, side by side with the Engine's forms, greedy; an engine
-    that cannot run here keeps its column, shown as -, and a line says why.
+    that cannot run here keeps its column, shown as -, and a line says why. Under each batch, the Engine's
+    forms here over their own figures in table 4 (decode: its rows in this run), where it ran that length.
 
     llama.cpp and CTranslate2 each bring a thread pool that, once started in a process, slows torch
     and every other engine there for the rest of it; so each runs in a fresh process of its own,
@@ -715,7 +716,19 @@ def table_peers(model, engines, device, sizes, runs, bandwidth, out):
             print(f"{batch:>5} " + " ".join(f"{row[name]:>15,.0f}" if name in row else f"{'-':>15}" for name in columns)
                   + "".join(f" {cell}" for cell in cells))
             print(f"{'%bw':>5} " + " ".join(bandwidth_cells(row, [name], 15) if name in row else f"{'-':>15}"
-                                           for name in columns), flush=True)
+                                           for name in columns))
+            print(f"{'':>5} {against_table_4(row, engines, decode)}", flush=True)
+
+
+def against_table_4(row, engines, decode):
+    """A line setting the Engine's forms in a table 6 row beside their figures in table 4's rows `decode`
+    of the same run (kept in row["over_table_4"]): a form timed twice in one run should agree with itself."""
+    same = [r for r in decode if (r["batch"], r["tokens"]) == (row["batch"], row["tokens"])]
+    if not same:
+        return f"(table 4 did not run batch {row['batch']}, {row['tokens']} tokens in this run: nothing to set beside)"
+    row["over_table_4"] = {name: row[name] / same[0][name] for name in engines}
+    return ("over table 4 in this run: " + ", ".join(f"{name} {x:.2f}x" for name, x in row["over_table_4"].items())
+            + " (the same forms timed twice, a prompt apart)")
 
 
 def table_peers_drift(device, n_tokens, out):
@@ -800,7 +813,8 @@ def main():
     if "5" in tables:
         table_cuda(model, device, sizes, args.runs, report["cuda"])
     if "6" in tables:
-        table_peers(model, engines, device, sizes, args.runs, bandwidth, report.setdefault("peers", []))
+        table_peers(model, engines, device, sizes, args.runs, bandwidth, report["decode"],
+                    report.setdefault("peers", []))
         table_peers_drift(device, sizes["drift"], report.setdefault("peers_drift", {}))
     if args.json is not None:
         with atomic_write(args.json, "w", force=args.force) as f:

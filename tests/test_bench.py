@@ -79,8 +79,12 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     assert report["cuda"]["skipped"].startswith("skipped: needs a CUDA device")
     installed = set(bench.PEERS) - set(bench.missing_peers(torch.device("cpu")))  # the serving engines here
     ran = {*engines, *installed}
-    columns = {"batch", "tokens", *ran, *read_by(ran)}
+    columns = {"batch", "tokens", "over_table_4", *ran, *read_by(ran)}
     assert [r["batch"] for r in report["peers"]] == [COMPILED_ROWS] and all(set(r) == columns for r in report["peers"])
+    # each Engine form timed in table 6 set beside its own figure in table 4 of this run, the same batch and tokens
+    peers, decode = report["peers"][0], report["decode"][0]
+    assert peers["over_table_4"] == pytest.approx({name: peers[name] / decode[name] for name in engines})
+    assert "over table 4 in this run: engine " in stdout
     drifts = report["peers_drift"]  # where each parts from the float32 Engine, the compiled forms left out
     assert set(drifts) == {"engine_bf16", "engine_int8", *installed}
     assert all(d is None or 0 <= d < 16 for d in drifts.values())
@@ -176,8 +180,9 @@ def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypa
     model = CachedGPT(Config(d_model=64, n_heads=4, n_layers=2, context=32)).eval()
     engines = {"engine": Engine(model), "engine_compiled": Engine(model), "engine_bf16": Engine(model)}  # no compile
     out = []
-    bench.table_peers(model, engines, torch.device("cpu"), {"lengths": (8,), "batches": (1,)}, 3, 1e10, out)
+    bench.table_peers(model, engines, torch.device("cpu"), {"lengths": (8,), "batches": (1,)}, 3, 1e10, [], out)
     lines = capsys.readouterr().out.splitlines()
+    assert lines.pop() == "      (table 4 did not run batch 1, 8 tokens in this run: nothing to set beside)"
     assert "   transformers: not installed (pip install -r requirements.txt)" in lines
     assert any(line.startswith("   ctranslate2: ") for line in lines)
     assert "   llama_cpp: not installed (pip install -r requirements-serve.txt)" in lines

@@ -383,7 +383,7 @@ def check_compiler(device, otherwise="or leave out --compile"):
 # The ways a decode step is compiled, and the one kept is measured where it runs: "autotuned" freezes the
 # weights into the graph as constants, which lets max_autotune try its own C++ matrix multiplies (weights
 # packed, every core used) against ATen's, timed where it compiles (the last two options keep the
-# autotuner's tables off stderr); "plain" is inductor's default, ATen's multiplies on the weights as they
+# autotuner's tables off stderr; int8 weights are not frozen, compile_ways says why); "plain" is inductor's default, ATen's multiplies on the weights as they
 # are; "dot products" exports every nn.Linear as dot_products, and its two options keep inductor from
 # computing the input (a layer norm, say) again inside every output's loop: it is stored once and read;
 # "autotuned, attention as math" is autotuned with the attention exported as its arithmetic
@@ -407,10 +407,16 @@ COMPILE_WAYS = {"cpu": {"autotuned": AUTOTUNED,
                 "cuda": {"plain": {}}}
 
 
-def compile_ways(device, batch):
-    """COMPILE_WAYS for this device that are worth compiling for `batch` rows."""
-    return {name: way for name, way in COMPILE_WAYS[device.type].items()
+def compile_ways(device, batch, int8=False):
+    """COMPILE_WAYS for this device that are worth compiling for `batch` rows. For int8 weights, each way
+    without freezing: frozen, inductor folds each weight's dequantization into a float32 copy kept in the
+    program, which then reads four times the bytes, the float32 step with int8's rounding."""
+    ways = {name: way for name, way in COMPILE_WAYS[device.type].items()
             if way.get("min_rows", 1) <= batch <= way.get("max_rows", batch)}
+    if int8:
+        ways = {name: {option: value for option, value in way.items() if option != "freezing"}
+                for name, way in ways.items()}
+    return ways
 
 
 def way_model(model, way):
@@ -684,7 +690,8 @@ class DecodeStep:
     def _compiled(self, ways, folder):
         """The compiled step that runs: the only way, or the fastest of the ways here."""
         model, cache = self.model, self.cache
-        ways = ways or compile_ways(cache.k.device, cache.shape["batch"])
+        int8 = any(isinstance(m, Int8Linear) for m in model.modules())
+        ways = ways or compile_ways(cache.k.device, cache.shape["batch"], int8)
         keys = step_keys(model, cache, ways)
         choice = choice_path(folder, list(keys.values()))
         self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}

@@ -7,6 +7,7 @@ import copy
 import os
 import shutil
 import sys
+import types
 
 import pytest
 import torch
@@ -293,6 +294,31 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
     engine.prepare(B)
     assert engine.steps[B].loaded and set(engine.steps[B].way_ms) == set(ways)
     assert open(choice).read() == "{not json"
+
+
+def test_int8_weights_are_compiled_every_way_but_unfrozen_so_that_the_program_keeps_them_int8(tmp_path, monkeypatch):
+    # frozen, inductor folds each int8 weight's dequantization into a float32 copy kept in the program
+    class EveryWayAsked(Exception):
+        pass
+
+    asked = []
+    def ask(self, way, key, folder):
+        asked.append(way)
+        return types.SimpleNamespace(loader=None), None, False
+
+    def time_ways(self, runs):
+        raise EveryWayAsked
+    monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
+    monkeypatch.setattr(DecodeStep, "_kept_or_compiled", ask)
+    monkeypatch.setattr(DecodeStep, "_time_ways", time_ways)
+    ways = {}
+    for dtype in (torch.float32, torch.int8):
+        with pytest.raises(EveryWayAsked):
+            FastEngine(small(), dtype=dtype, compile=True, compile_cache=tmp_path).prepare(B)
+        ways[dtype], asked = asked, []
+    assert len(ways[torch.float32]) > 1 and any(way.get("freezing") for way in ways[torch.float32])
+    assert ways[torch.int8] == [{option: v for option, v in way.items() if option != "freezing"}
+                                for way in ways[torch.float32]]
 
 
 def test_one_rows_step_compiled_as_dot_products_gives_the_eager_tokens(kept_every_way, monkeypatch):

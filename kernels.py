@@ -383,17 +383,17 @@ def check_compiler(device, otherwise="or leave out --compile"):
 # The ways a decode step is compiled, and the one kept is measured where it runs: "autotuned" freezes the
 # weights into the graph as constants, which lets max_autotune try its own C++ matrix multiplies (weights
 # packed, every core used) against ATen's, timed where it compiles (the last two options keep the
-# autotuner's tables off stderr; int8 weights are not frozen, compile_ways says why); "plain" is inductor's default, ATen's multiplies on the weights as they
-# are; "dot products" exports every nn.Linear as dot_products, and its two options keep inductor from
-# computing the input (a layer norm, say) again inside every output's loop: it is stored once and read;
-# "autotuned, attention as math" is autotuned with the attention exported as its arithmetic
-# (attention_as_math), which inductor fuses with the rest, where ATen's flash attention for one query
-# per row costs more than the arithmetic. Besides inductor's options, a way may name the product its
-# Linears are exported with ("linears", one of COMPILED_LINEARS), its attention ("attention": "math")
-# and the rows it is worth compiling for ("min_rows", "max_rows": past one row, dot products are several
-# times slower; at one row, they beat every other product). Which way is fastest depends on the CPU and
-# the rows, so DecodeStep compiles (or loads) each and times them side by side on the machine it runs on
-# (bench.py table 3 shows the figures). AOTInductor calls the graph from C++.
+# autotuner's tables off stderr; int8 weights are not frozen, compile_ways says why); "plain" is inductor's
+# default, ATen's multiplies on the weights as they are; "dot products" exports every nn.Linear as
+# dot_products, and its two options keep inductor from computing the input (a layer norm, say) again inside
+# every output's loop: it is stored once and read; "autotuned, attention as math" is autotuned with the
+# attention exported as its arithmetic (attention_as_math), which inductor fuses with the rest, where ATen's
+# flash attention for one query per row costs more than the arithmetic. Besides inductor's options, a way
+# may name the product its Linears are exported with ("linears", one of COMPILED_LINEARS), its attention
+# ("attention": "math") and the rows it is worth compiling for ("min_rows", "max_rows": past one row, dot
+# products are several times slower; at one row, they beat every other product). Which way is fastest
+# depends on the CPU and the rows, so DecodeStep compiles (or loads) each and times them side by side on the
+# machine it runs on (bench.py table 3 shows the figures). AOTInductor calls the graph from C++.
 COMPILED_LINEARS = {"dot_products": dot_products}
 WAY_FIELDS = ("linears", "attention", "min_rows", "max_rows")  # a way's own; the rest are inductor's options
 DOT_PRODUCTS, ATTENTION_AS_MATH = "dot products", "autotuned, attention as math"

@@ -763,13 +763,11 @@ class DecodeStep:
         (least_disturbed, as the kernels are timed), after two calls each (a loaded package prepares its weights on
         its first calls), each step attending to half the ring's slots, as one mid-way through a generation
         that fills it does; the steps write into the cache, which is put back after."""
-        cache = self.cache
-        attended, cache.attended = cache.attended, self._half_the_slots()
         with self._cache_put_back():
+            self.cache.attended = self._half_the_slots()
             for run in runs.values():
                 run(), run()
-            seconds = least_disturbed(runs, cache.k.device, rounds, steps)
-        cache.attended = attended
+            seconds = least_disturbed(runs, self.cache.k.device, rounds, steps)
         return {name: t * 1e3 for name, t in seconds.items()}
 
     def _half_the_slots(self):
@@ -795,14 +793,16 @@ class DecodeStep:
 
     @contextlib.contextmanager
     def _cache_put_back(self):
-        """After the block, the cache as it was before it (rehearsals and timings must not count as steps)."""
+        """After the block, the cache as it was before it, the slots it attends to included (rehearsals and
+        timings must not count as steps)."""
         live = (self.cache.k, self.cache.v, self.cache.cache_seqlens)
-        saved = [t.clone() for t in live]
+        saved, attended = [t.clone() for t in live], self.cache.attended
         try:
             yield live
         finally:
             for t, kept in zip(live, saved):
                 t.copy_(kept)
+            self.cache.attended = attended
 
     def _rehearse(self, fn):
         """Run fn, then put the cache back as it was; returns what fn returned and the cache it left."""

@@ -238,6 +238,8 @@ def check_replaceable(path):
     except NotADirectoryError:  # a file, a pipe or a link to one where the path needs a folder
         raise ValueError(f"cannot write {shown(path)}: {shown(os.path.dirname(path))} is not a folder; "
                          "give a path in a folder") from None
+    except OSError as e:  # a name longer than the filesystem holds, a loop of links
+        raise OSError(f"cannot write {shown(path)}: {e.strerror}; give another name") from None
     if stat.S_ISDIR(mode):
         raise ValueError(f"cannot write {shown(path)}: it is a folder; give a file name")
     if not stat.S_ISREG(mode):
@@ -267,13 +269,21 @@ def check_output(path, force=False, flag="--force", inputs=()):
     if os.path.lexists(path) and not force:
         raise ValueError(f"{shown(path)} already exists; pass {flag} to replace it")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
+        fd, probe = temporary_beside(path)  # the very file atomic_write will make first
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise OSError(f"cannot write {shown(path)}: the folder {shown(folder)} is not writable "
-                      f"({e.strerror})") from None
+        why = "is not writable" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "holds no new file"
+        raise OSError(f"cannot write {shown(path)}: the folder {shown(folder)} {why} ({e.strerror})") from None
     return path
+
+
+def temporary_beside(path):
+    """A new, private, empty file beside `path` (O_EXCL: never through an existing file or a link), for a
+    write to be renamed into place. check_output makes one too, so what it accepts, the write can do."""
+    folder = os.path.dirname(os.path.abspath(path))
+    # a part of the name, not all of it: a name near the folder's limit must leave room for the marks
+    return tempfile.mkstemp(prefix=f".{os.path.basename(path)[:40]}.", suffix=".tmp", dir=folder)
 
 
 NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}  # link(2) on FAT and some FUSE mounts
@@ -351,8 +361,7 @@ def atomic_write(path, mode="wb", force=False, **open_args):
     (a full disk, ulimit -f) is one OSError naming `path`, whatever the writer made of it.
     """
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    fd, tmp = temporary_beside(path)
     raw = WriteFailures(fd, "wb")
     try:
         try:

@@ -534,3 +534,11 @@ def test_a_full_disk_or_a_file_size_limit_is_one_line_and_leaves_the_old_file(
         assert f": {reason}; nothing was written there" in run[2]
     # the old file is as it was; the id cache's folder is made, and left empty
     assert no_temporary_files(tmp_path) and state(tmp_path / victim) == before.get(victim, ("folder", []))
+
+
+def test_what_check_output_accepts_atomic_write_can_write(tmp_path):
+    path = tmp_path / ("n" * 250)  # a legal name whose temporary, named after all of it, would not be
+    check_output(path)
+    with atomic_write(path) as f:
+        f.write(b"kept")
+    assert path.read_bytes() == b"kept" and os.listdir(tmp_path) == [path.name]

@@ -500,3 +500,20 @@ def test_optimizer_moments_of_another_shape_are_refused_before_any_step(
     assert_refused(train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys),
                    "train.py: error: --resume: run.resume.pt does not fit this run (its optimizer's moments")
     assert {name: sha256(tmp_path / name) for name in victims} == victims
+
+
+def test_a_name_the_output_check_accepts_is_one_every_save_can_write(tmp_path, monkeypatch, capsys):
+    # NAME.resume.pt just fits the folder's 255-byte limit; a temporary named after all of it would not
+    name = "r" * (255 - len(".resume.pt"))
+    status, out, err = train(tmp_path, *TINY, "--out", name, monkeypatch=monkeypatch, capsys=capsys)
+    assert status == 0, err
+    assert (tmp_path / f"{name}.pt").is_file() and (tmp_path / f"{name}.csv").is_file()
+    assert not leftovers(tmp_path)
+
+
+def test_a_name_too_long_for_the_folder_is_refused_before_tokenizing_naming_it(tmp_path, monkeypatch, capsys):
+    name = "r" * (256 - len(".resume.pt"))  # NAME.pt fits; NAME.resume.pt is one byte too long
+    forbid_tokenizing(monkeypatch)
+    run = train(tmp_path, *TINY, "--out", name, monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, f"cannot write {name}.resume.pt: File name too long")
+    assert ".tmp" not in run[2] and os.listdir(tmp_path) == ["corpus.txt"]

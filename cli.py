@@ -146,6 +146,19 @@ def stdout_failed(name, error):
     sys.exit(f"{name}: error: cannot write to standard output: {error.strerror or error}")
 
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "int8")  # what --dtype may say; engines/fast_engine.py runs each
+
+
+def add_speed_flags(ap):
+    """--compile, --compile-cache and --dtype, for the scripts that can run engines.fast_engine's FastEngine."""
+    ap.add_argument("--compile", action="store_true",
+                    help="run the decode step compiled (a minute or so the first time, then loaded from the cache)")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                    help="weights and cache (float16: CUDA; int8: the weights only, one scale per output channel)")
+
+
 def check_count(name, n):
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"{name} must be a whole number >= 0, got {n!r}")

@@ -8,10 +8,11 @@ the prompt once (run_prompt), clones it into a batch-N cache (KVCache.prefill,
 nanochat's name) and lets every row decode on its own: its own first token
 (not one broadcast to all rows, as in nanochat), its own seeded generator,
 knobs, forced tokens and stop rule. Speed (the fastest matrix multiply
-measured here, a compiled step, bfloat16) is kernels.FastEngine's, applied
-from outside; this Engine is the lesson.
+measured here, a compiled step, bfloat16 or int8) is engines.fast_engine's
+FastEngine, applied from outside (python -m engines.fast_engine --compile);
+this Engine is the lesson.
 
-    python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0 [--compile] [--dtype bfloat16]
+    python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0
 
 prints N samples, then the time to the first token and the tokens a second.
 The clone timed against N separate prompt passes: bench.py --tables 2.
@@ -29,6 +30,7 @@ from cached import load_pair
 import sampling
 from checks import check_cache, check_knobs, check_request, check_sample_flags, prompt_ids
 from model import check_finite
+from timing import timed_generation
 
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
                   "under any other name.")
@@ -240,10 +242,8 @@ class Engine:
         return results, masks
 
 
-def main():
-    from bench import timed_generation  # speed and its measuring, applied from outside the lesson
-    from kernels import FastEngine, add_speed_flags, speed_flags
-    ap = Parser(description="One prompt pass, N samples: nanochat's prefill-and-clone trick.")
+def add_sample_flags(ap):
+    """The flags of a run of N samples from one prompt: this script's, and engines/fast_engine.py's."""
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     ap.add_argument("-n", type=int, default=8, help="number of samples")
@@ -253,25 +253,37 @@ def main():
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--device", default="cpu")
-    add_speed_flags(ap)
-    args = ap.parse_args()
+
+
+def sample_knobs(args):
     check_sample_flags(args.n, args.seed, args.tokens)
     knobs = dict(temperature=args.temperature, top_p=args.top_p)
     check_knobs(**knobs)
-    speed = speed_flags(args)
-    model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
-    tokens = prompt_ids(tokenizer, args.prompt, model)[0].tolist()
-    engine = FastEngine(model, tokenizer, **speed)
-    check_cache(model, args.n, engine.cache_len(len(tokens), args.tokens))  # before prepare allocates it
-    compile_seconds = engine.prepare(args.n)  # first, so that no timing or ETA holds it
+    return knobs
+
+
+def show_samples(engine, tokenizer, args, knobs, prepare=lambda: ""):
+    """Print args.n samples of the prompt, then the time to the first token and the tokens a second;
+    prepare() runs before anything is timed, and what it returns ends the last line."""
+    tokens = prompt_ids(tokenizer, args.prompt, engine.model)[0].tolist()
+    check_cache(engine.model, args.n, engine.cache_len(len(tokens), args.tokens))  # before anything allocates it
+    note = prepare()
     ttft, seconds, rows = timed_generation(engine, tokens, args.n, args.tokens, "tokens", seed=args.seed, **knobs)
     for i, row in enumerate(rows):
         print(f"--- sample {i} (seed {args.seed + i})")
         print(tokenizer.decode(tokens + row))
-    compiled = f"; the compiled decode step ready in {compile_seconds:.1f} s before" if args.compile else ""
     print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens: first token in "
-          f"{ttft * 1e3:.1f} ms, {args.n * args.tokens / seconds:,.0f} tok/s ({args.device}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads{compiled})")
+          f"{ttft * 1e3:.1f} ms, {args.n * args.tokens / seconds:,.0f} tok/s ({args.device}, "
+          f"{torch.get_num_threads()} threads{note})")
+
+
+def main():
+    ap = Parser(description="One prompt pass, N samples: nanochat's prefill-and-clone trick.")
+    add_sample_flags(ap)
+    args = ap.parse_args()
+    knobs = sample_knobs(args)
+    model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
+    show_samples(Engine(model, tokenizer), tokenizer, args, knobs)
 
 
 if __name__ == "__main__":

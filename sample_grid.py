@@ -6,18 +6,16 @@ setting gives alone, and every run on the CPU prints the same text.
 
     python sample_grid.py [CHECKPOINT] [PROMPT] --tokens 60 --seed 1 [--compile] [--dtype bfloat16]
 
---compile and --dtype run the Engine's decode step compiled or in lower
-precision (kernels.FastEngine's compile and dtype); the text is the same
-compiled, and may part from float32's in bfloat16. Compiling comes first,
-and its time is printed last.
+--compile and --dtype run the eight rows on engines.fast_engine's FastEngine
+instead (only then is anything beyond the lesson loaded): the text is the
+same compiled, and may part from float32's in bfloat16 or int8. Compiling
+comes first, and its time is printed last.
 """
-
-# before torch: cli.startup_failure makes a failing import one line
-from cli import Parser, check_count, run_cli, with_progress
+from cli import Parser, add_speed_flags, check_count, run_cli, with_progress
 
 from cached import load_pair
 from checks import prompt_ids
-from kernels import FastEngine, add_speed_flags, speed_flags
+from prefill_clone import Engine
 
 SETTINGS = {
     "greedy": dict(temperature=0),
@@ -31,17 +29,13 @@ SETTINGS = {
 }
 
 
-def grid(model, tokens, n_tokens, seed, progress=None, **engine):
-    """Each setting's new tokens, all eight rows from one run of the prompt, and the seconds compiling the
-    decode step took (0 unless compiled, and not in the progress line's ETA); engine: FastEngine's compile,
-    compile_cache, dtype."""
-    engine = FastEngine(model, **engine)
-    compile_seconds = engine.prepare(len(SETTINGS))
+def grid(engine, tokens, n_tokens, seed, progress=None):
+    """Each setting's new tokens, all eight rows from one run of the prompt through `engine`."""
     if progress:  # a token a step for every row: count the Engine's picks
         engine.pick = with_progress(engine.pick, n_tokens, progress)
     rows, _ = engine.generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, seed=[seed] * len(SETTINGS),
                                     settings=list(SETTINGS.values()))
-    return dict(zip(SETTINGS, rows)), compile_seconds
+    return dict(zip(SETTINGS, rows))
 
 
 def main():
@@ -57,10 +51,15 @@ def main():
     check_count("--tokens", args.tokens)
     if not 0 <= args.seed < 2**64:
         raise ValueError(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
-    speed = speed_flags(args)
+    fast = args.compile or args.dtype != "float32"
+    if fast:  # the speed the flags ask for, from beside the lesson
+        from engines.fast_engine import FastEngine, speed_flags
+        speed = speed_flags(args)  # checked before the checkpoint is read
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = prompt_ids(tokenizer, args.prompt, model)[0].tolist()
-    rows, compile_seconds = grid(model, tokens, args.tokens, args.seed, "tokens", **speed)
+    engine = FastEngine(model, **speed) if fast else Engine(model)
+    compile_seconds = engine.prepare(len(SETTINGS)) if fast else 0.0  # before the progress line's ETA
+    rows = grid(engine, tokens, args.tokens, args.seed, "tokens")
     for name, row in rows.items():
         print(f"=== {name}")
         print(tokenizer.decode(tokens + row).strip())

@@ -17,9 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kernels
+from engines import compile_ways, decode_step, fast_engine
 import train as train_module
-from export import SAMPLE
 from cli import run_cli
 from model import Config
 
@@ -179,7 +178,7 @@ def part3_state_dict(cfg, seed=0):
 
 
 ODD_TEXTS = [
-    SAMPLE,
+    "To Sherlock Holmes she is always the woman. \"You have been in Afghanistan, I perceive,\" said he.\n\n    Café, naïve, 1895!",
     "Crème brûlée à la façon de Zoë, señor Müller",
     "東京で会いましょう。北京欢迎你。서울",
     "Thumbs 👍🏽 family 👨‍👩‍👧‍👦 flags 🇬🇧 heart ❤️",
@@ -210,21 +209,21 @@ def own_compile_cache(tmp_path_factory):
         yield
 
 
-AS_SET = kernels.COMPILE_WAYS  # read on import, before one_plain_compile_way
+AS_SET = compile_ways.COMPILE_WAYS  # read on import, before one_plain_compile_way
 
 
 def plain_ways(ways):
-    """kernels.COMPILE_WAYS with inductor's plain way only, on every device."""
+    """compile_ways.COMPILE_WAYS with inductor's plain way only, on every device."""
     return {device: {"plain": {}} for device in ways}
 
 
 @pytest.fixture(autouse=True, scope="session")
 def one_plain_compile_way():
-    """The Engine compiles its decode step each of kernels.COMPILE_WAYS and keeps the fastest; with the
+    """The Engine compiles its decode step each of compile_ways.COMPILE_WAYS and keeps the fastest; with the
     autotuner that costs minutes a batch on a small CPU. The suite compiles the plain way only, and
     the others once, in compile_ahead, for test_compile_cache."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "COMPILE_WAYS", plain_ways(kernels.COMPILE_WAYS))
+        patch.setattr(compile_ways, "COMPILE_WAYS", plain_ways(compile_ways.COMPILE_WAYS))
         yield
 
 
@@ -250,16 +249,16 @@ def compile_ahead(folder, plain_kept):
     and int8 the plain way (then plain_kept is set: what the `compiled` fixture loads), and float32 the
     autotuned ways, and for one row float32 the dot-products way (what `every_way_compiled` waits for)."""
     os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
-    kernels.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
+    compile_ways.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()
     for dtype in (torch.float32, torch.int8):
-        kernels.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
+        fast_engine.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
     plain_kept.set()
     with torch.inference_mode():
-        for batch, way in ((1, kernels.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned"),
-                           (COMPILED_ROWS, kernels.ATTENTION_AS_MATH)):
-            cache = kernels.GraphCache.for_model(model, batch, COMPILED.context)
-            kernels.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder)
+        for batch, way in ((1, compile_ways.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned"),
+                           (COMPILED_ROWS, compile_ways.ATTENTION_AS_MATH)):
+            cache = decode_step.GraphCache.for_model(model, batch, COMPILED.context)
+            decode_step.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder)
 
 
 def uses(item, fixture):
@@ -294,7 +293,7 @@ def compiled(compiling, one_plain_compile_way):
     """compiled_model()'s step for COMPILED_ROWS rows in float32 and in int8, in Engines that loaded them from
     the compile cache `folder` (the default one when XDG_CACHE_HOME is `home`), where compile_ahead keeps
     every step the tests run compiled; a step it did not keep (it failed) is compiled here."""
-    from kernels import FastEngine
+    from engines.fast_engine import FastEngine
     home, folder, process, plain_kept = compiling
     # process is None where no collected test asked for this fixture by name (getfixturevalue)
     while process is not None and process.is_alive() and not plain_kept.wait(1):

@@ -11,7 +11,7 @@ import torch
 
 import bench
 from cached import load
-from kernels import compiler_missing
+from engines.compile_ways import compiler_missing
 from conftest import COMPILED_ROWS, assert_refused, run_main
 
 
@@ -230,7 +230,7 @@ def test_the_bandwidth_measure_is_a_positive_finite_rate():
 
 def test_every_row_of_the_decode_table_has_its_bytes_and_share_of_the_bandwidth_under_it(capsys):
     from cached import CachedGPT
-    from kernels import FastEngine
+    from engines.fast_engine import FastEngine
     from model import Config
     model = CachedGPT(Config(vocab_size=256, d_model=64, n_heads=4, n_layers=2, context=32)).eval()
     # the compiled column's place taken by the same graph-safe step run eagerly: no compile in a test

@@ -13,7 +13,7 @@ from cached import CachedGPT, LayerCache, TrimAfter, exact_tokens, load
 from checks import save_checkpoint
 from conftest import PART3_CONFIG, ROOT, assert_refused, exit_status, part3_state_dict, run_main
 from model import GPT, Config, rope_at
-from kernels import GraphCache
+from engines.decode_step import GraphCache
 from prefill_clone import KVCache
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)

@@ -12,7 +12,7 @@ import sample_grid
 from cached import CachedGPT
 from checks import load_checkpoint, save_checkpoint
 from cli import check_fits
-from kernels import FastEngine
+from engines.fast_engine import FastEngine
 from model import GPT, Config
 from prefill_clone import Engine
 

@@ -1,4 +1,4 @@
-"""kernels.DecodeStep(compile=True): compiled once, kept on disk under what makes it valid, loaded after.
+"""decode_step.DecodeStep(compile=True): compiled once, kept on disk under what makes it valid, loaded after.
 
 A loaded step gives the eager tokens; a second Engine loads without compiling; any change to what
 the step was compiled for is another key; a damaged or foreign package is said, left and compiled anew.
@@ -12,10 +12,13 @@ import types
 import pytest
 import torch
 
-import kernels
+from engines import compile_cache, compile_ways, decode_step
 from cached import CachedGPT, break_on_purpose
 from cli import run_cli
-from kernels import DecodeStep, FastEngine, GraphCache, compiler_missing, step_key
+from engines.decode_step import DecodeStep, GraphCache
+from engines.fast_engine import FastEngine
+from engines.compile_ways import compiler_missing
+from engines.compile_cache import step_key
 from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model
 from model import Config
 from prefill_clone import Engine, KVCache
@@ -43,7 +46,7 @@ def kept_every_way(every_way_compiled):
 
 @pytest.fixture
 def light(monkeypatch):
-    monkeypatch.setattr(kernels, "COMPILE_WAYS", LIGHT)
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", LIGHT)
 
 
 def never_compile(monkeypatch):
@@ -145,11 +148,11 @@ def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     others["torch"] = step_key(model, cache, {})
     monkeypatch.undo()
-    monkeypatch.setattr(kernels, "machine_name", lambda device: "another CPU | avx2")
+    monkeypatch.setattr(compile_cache, "machine_name", lambda device: "another CPU | avx2")
     others["machine"] = step_key(model, cache, {})
     monkeypatch.undo()
-    sources = kernels.step_sources(model, cache)
-    monkeypatch.setattr(kernels, "step_sources", lambda *args: {**sources, "model.py": "edited"})
+    sources = compile_cache.step_sources(model, cache)
+    monkeypatch.setattr(compile_cache, "step_sources", lambda *args: {**sources, "model.py": "edited"})
     others["source"] = step_key(model, cache, {})
     assert len({key, *others.values()}) == 1 + len(others), others
     assert {"model.py", "cached.py", "prefill_clone.py", "kernels.py"} <= set(sources)
@@ -232,7 +235,7 @@ def test_a_step_that_computes_something_else_is_refused_in_one_line(kept, light,
         other.norm.weight.mul_(2)
     made_for = step_key(model, first.steps[B].cache, LIGHT["cpu"]["plain"])
     # the other model's key were the first's
-    monkeypatch.setattr(kernels, "step_keys", lambda model, cache, ways: dict.fromkeys(ways, made_for))
+    monkeypatch.setattr(decode_step, "step_keys", lambda model, cache, ways: dict.fromkeys(ways, made_for))
     shutil.copy(first.steps[B].package, tmp_path)
     never_compile(monkeypatch)
     with pytest.raises(RuntimeError, match=r"the compiled decode step \(.*\) does not compute what the eager "
@@ -256,13 +259,13 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_t
 
 def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_load_only_it(
         kept_every_way, monkeypatch):
-    monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
-    ways = kernels.compile_ways(torch.device("cpu"), B)
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", AS_SET)
+    ways = compile_ways.compile_ways(torch.device("cpu"), B)
     # dot products are not worth compiling for B rows: each row would read every weight again; and at one
     # row, where they are, nor is the autotuned step with its attention as math
-    assert kernels.DOT_PRODUCTS not in ways and B > AS_SET["cpu"][kernels.DOT_PRODUCTS]["max_rows"]
-    assert kernels.ATTENTION_AS_MATH in ways
-    assert kernels.ATTENTION_AS_MATH not in kernels.compile_ways(torch.device("cpu"), 1)
+    assert compile_ways.DOT_PRODUCTS not in ways and B > AS_SET["cpu"][compile_ways.DOT_PRODUCTS]["max_rows"]
+    assert compile_ways.ATTENTION_AS_MATH in ways
+    assert compile_ways.ATTENTION_AS_MATH not in compile_ways.compile_ways(torch.device("cpu"), 1)
     model, folder, _ = kept_every_way  # conftest.compile_ahead kept a package for each way there
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
@@ -271,25 +274,25 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
     assert step.way == min(step.way_ms, key=step.way_ms.get)
     assert_eager_tokens(engine, model, B)
     keys = [step_key(model, step.cache, o) for o in ways.values()]
-    choice = kernels.choice_path(str(folder), keys)
+    choice = compile_cache.choice_path(str(folder), keys)
     never_compile(monkeypatch)
-    monkeypatch.setattr(kernels.DecodeStep, "_time_ways", lambda *args: pytest.fail("timed again"))
+    monkeypatch.setattr(decode_step.DecodeStep, "_time_ways", lambda *args: pytest.fail("timed again"))
     loaded = []
-    monkeypatch.setattr(kernels, "load_package", lambda path, key, real=kernels.load_package: (
+    monkeypatch.setattr(decode_step, "load_package", lambda path, key, real=compile_cache.load_package: (
         loaded.append(path) or real(path, key)))
     for faster in ways:  # whichever was measured faster here is the only one loaded, and runs
         os.remove(choice)
-        kernels.keep_choice(choice, {name: 1.0 if name == faster else 2.0 for name in ways})
+        compile_cache.keep_choice(choice, {name: 1.0 if name == faster else 2.0 for name in ways})
         engine = FastEngine(model, compile=True, compile_cache=folder)
         engine.prepare(B)
-        package = kernels.package_path(str(folder), step_key(model, engine.steps[B].cache, ways[faster]))
+        package = compile_cache.package_path(str(folder), step_key(model, engine.steps[B].cache, ways[faster]))
         assert engine.steps[B].way == faster and engine.steps[B].package == package and loaded[-1:] == [package]
         assert_eager_tokens(engine, model, B)
         loaded.clear()
     with open(choice, "w") as f:
         f.write("{not json")  # unreadable: timed again, and left as it is
     monkeypatch.undo()
-    monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", AS_SET)
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
     assert engine.steps[B].loaded and set(engine.steps[B].way_ms) == set(ways)
@@ -308,7 +311,7 @@ def test_int8_weights_are_compiled_every_way_but_unfrozen_so_that_the_program_ke
 
     def time_ways(self, runs):
         raise EveryWayAsked
-    monkeypatch.setattr(kernels, "COMPILE_WAYS", AS_SET)
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", AS_SET)
     monkeypatch.setattr(DecodeStep, "_kept_or_compiled", ask)
     monkeypatch.setattr(DecodeStep, "_time_ways", time_ways)
     ways = {}
@@ -323,8 +326,8 @@ def test_int8_weights_are_compiled_every_way_but_unfrozen_so_that_the_program_ke
 
 def test_one_rows_step_compiled_as_dot_products_gives_the_eager_tokens(kept_every_way, monkeypatch):
     model, folder, _ = kept_every_way  # conftest.compile_ahead kept that step there
-    monkeypatch.setattr(kernels, "COMPILE_WAYS", {"cpu": {kernels.DOT_PRODUCTS: AS_SET["cpu"][kernels.DOT_PRODUCTS]}})
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", {"cpu": {compile_ways.DOT_PRODUCTS: AS_SET["cpu"][compile_ways.DOT_PRODUCTS]}})
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(1)
-    assert engine.steps[1].way == kernels.DOT_PRODUCTS
+    assert engine.steps[1].way == compile_ways.DOT_PRODUCTS
     assert_eager_tokens(engine, model, 1)

@@ -17,10 +17,10 @@ import torch
 from conftest import ODD_TEXTS, PART3_CONFIG, part3_state_dict, run_main
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import export
+from engines import export
 from bpe import BPE
 from cached import CachedGPT, load
-from export import load_folder, rope_layout, write_folder
+from engines.hf_folder import load_folder, rope_layout, write_folder
 from cli import run_cli
 from checks import save_checkpoint
 from model import Config

@@ -17,18 +17,18 @@ import torch
 from children import ct2_greedy_as_it_loads, segfault
 from conftest import ODD_TEXTS, run_main_once
 
-import export
-import serve
+from engines import export
+from engines import peers
 from bpe import BPE
 from cli import run_cli
 from cached import first_difference, load
-from export import PROMPT, cached_tokens, neox_state_dict, spelled_vocabulary
+from engines.export import PROMPT, cached_tokens, neox_state_dict, spelled_vocabulary
 
 
 def needs(module):
     if os.environ.get("CI") == "true":
         return importlib.import_module(module)  # in CI a missing engine is a failure
-    return pytest.importorskip(module, reason=f"{module} is not installed: pip install -r {serve.REQUIREMENTS}")
+    return pytest.importorskip(module, reason=f"{module} is not installed: pip install -r {peers.REQUIREMENTS}")
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +51,11 @@ def cli_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_tokenized(cli_run):
     """(ids, decoded text) of each odd text through the GGUF's own tokenizer."""
-    return dict(zip(ODD_TEXTS, serve.isolated("llama.cpp", serve.llama_tokenize, cli_run[1] / "holmes.gguf", ODD_TEXTS)))
+    return dict(zip(ODD_TEXTS, peers.isolated("llama.cpp", peers.llama_tokenize, cli_run[1] / "holmes.gguf", ODD_TEXTS)))
 
 
 def llama_greedy(path, prompt, batch, n_tokens):
-    rows, _ = serve.isolated("llama.cpp", serve.llama_greedy, path, prompt, batch, n_tokens, torch.get_num_threads())
+    rows, _ = peers.isolated("llama.cpp", peers.llama_greedy, path, prompt, batch, n_tokens, torch.get_num_threads())
     return rows
 
 
@@ -64,7 +64,7 @@ def smaller_gguf(request, holmes, tmp_path_factory):
     needs("gguf")
     model, bpe, _ = holmes
     path = tmp_path_factory.mktemp("gguf") / f"holmes-{request.param}.gguf"
-    serve.write_gguf(path, model.cfg, neox_state_dict(model), *spelled_vocabulary(bpe), request.param)
+    peers.write_gguf(path, model.cfg, neox_state_dict(model), *spelled_vocabulary(bpe), request.param)
     return request.param, path
 
 
@@ -88,7 +88,7 @@ def test_the_gguf_says_gptneox_gpt2_bpe_and_an_honest_stop(cli_run):
     assert value("gptneox.rope.dimension_count") == 64 and value("gptneox.use_parallel_residual") is False
     assert value("tokenizer.ggml.add_bos_token") is False
     stop = value("tokenizer.ggml.eos_token_id")
-    assert stop == value("tokenizer.ggml.bos_token_id") == serve.STOP_ID
+    assert stop == value("tokenizer.ggml.bos_token_id") == peers.STOP_ID
     bpe = BPE.load("tokenizer.json")
     assert bpe.vocab[stop] == b"\xff" and all(stop not in bpe.encode(text) for text in ODD_TEXTS)
 
@@ -165,14 +165,14 @@ def test_ctranslate2_float32_greedy_is_cached_pys_for_100_tokens(cli_run, holmes
     path = cli_run[1] / "holmes-ct2"
     vocabulary = json.loads((path / "vocabulary.json").read_text())
     start = [vocabulary[i] for i in holmes[1].encode(PROMPT)]
-    assert serve.isolated("CTranslate2", ct2_greedy_as_it_loads, path, start) == holmes[2]
+    assert peers.isolated("CTranslate2", ct2_greedy_as_it_loads, path, start) == holmes[2]
 
 
 def test_llama_cpp_loads_without_repacking_where_it_uses_amx(monkeypatch):
     llama_cpp = needs("llama_cpp")
     for info, repacks in ((b"AVX2 = 1 | AMX_INT8 = 1 | ", False), (b"AVX2 = 1 | AMX_INT8 = 0 | ", True)):
         monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda info=info: info)
-        assert serve.llama_model_params(llama_cpp).use_extra_bufts is repacks
+        assert peers.llama_model_params(llama_cpp).use_extra_bufts is repacks
 
 
 def test_a_crashing_engine_ends_export_py_in_one_line_and_leaves_nothing(holmes, tmp_path, monkeypatch, capsys):

@@ -3,13 +3,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+from engines import compile_ways, int8, matmul
 import model as model_py
 import sample_grid
 from cached import CachedGPT
 from conftest import COMPILED_ROWS, assert_refused, run_main
 from prefill_clone import Engine
-from kernels import INT8_KERNELS, KERNELS, FastEngine, Int8Linear, KernelLinear, choose, time_kernels, with_kernel
+from engines.int8 import INT8_KERNELS, Int8Linear
+from engines.matmul import KERNELS, KernelLinear, choose, time_kernels, with_kernel
+from engines.fast_engine import FastEngine
 from model import Config
 
 SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
@@ -23,16 +25,16 @@ def float64_product(layer, x):
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("bias", [True, False], ids=["mlp, with bias", "qkv, no bias"])
-@pytest.mark.parametrize("name", [*KERNELS, *kernels.COMPILED_LINEARS])
+@pytest.mark.parametrize("name", [*KERNELS, *compile_ways.COMPILED_LINEARS])
 def test_every_kernel_computes_the_product_through_the_models_linear(name, bias, rows):
-    if name in KERNELS and not kernels.runs_here(name, torch.device("cpu"), torch.float32):
+    if name in KERNELS and not matmul.runs_here(name, torch.device("cpu"), torch.float32):
         pytest.skip(f"kernel {name!r} needs a library this torch build lacks")
     torch.manual_seed(0)
     block = CachedGPT(SMALL).eval().blocks[0]
     layer = block.mlp[0] if bias else block.attn.qkv
     x = torch.randn(rows, 1, layer.in_features)
     with torch.inference_mode():
-        got = KernelLinear(layer, (KERNELS | kernels.COMPILED_LINEARS)[name])(x)
+        got = KernelLinear(layer, (KERNELS | compile_ways.COMPILED_LINEARS)[name])(x)
     assert got.shape == (rows, 1, layer.out_features) and got.is_contiguous()
     torch.testing.assert_close(got, float64_product(layer, x), rtol=1e-5, atol=1e-5)
 
@@ -63,7 +65,7 @@ def test_a_fast_kernel_that_is_not_exact_is_never_chosen(monkeypatch):
     model = CachedGPT(SMALL).eval()
     wrong = lambda layer, rows: torch.zeros(rows.shape[0], layer.out_features)  # fastest, and wrong
     monkeypatch.setitem(KERNELS, "wrong", wrong)
-    monkeypatch.setattr(kernels, "CHOSEN", {})
+    monkeypatch.setattr(matmul, "CHOSEN", {})
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     measured = time_kernels(layers, 2)
     assert measured["wrong"] is None
@@ -72,41 +74,41 @@ def test_a_fast_kernel_that_is_not_exact_is_never_chosen(monkeypatch):
 
 def test_where_no_kernel_is_exact_nn_linear_is_chosen(monkeypatch):
     """A model whose products overflow in every kernel: nn.Linear is then what the model itself computes."""
-    monkeypatch.setattr(kernels, "exact", lambda *args: False)
-    monkeypatch.setattr(kernels, "CHOSEN", {})
+    monkeypatch.setattr(matmul, "exact", lambda *args: False)
+    monkeypatch.setattr(matmul, "CHOSEN", {})
     name, measured = choose(CachedGPT(SMALL).eval(), 2)
     assert name == "nn" and all(t is None for t in measured.values())
 
 
 def test_the_choice_is_measured_once_per_batch_and_kept(monkeypatch):
     model = CachedGPT(SMALL).eval()
-    monkeypatch.setattr(kernels, "CHOSEN", {})
+    monkeypatch.setattr(matmul, "CHOSEN", {})
     calls = []
-    real = kernels.time_kernels
-    monkeypatch.setattr(kernels, "time_kernels", lambda layers, batch: calls.append(batch) or real(layers, batch))
+    real = matmul.time_kernels
+    monkeypatch.setattr(matmul, "time_kernels", lambda layers, batch: calls.append(batch) or real(layers, batch))
     first = [choose(model, b) for b in (1, 4, 1, 4)]
     assert calls == [1, 4] and first[0] == first[2] and first[1] == first[3]
     assert "twice" in first[0][1] and "twice" not in first[1][1]  # the lone-row kernels only for a lone row
 
 
 def test_cli_prints_each_kernel_and_the_fastest_and_refuses_a_bad_batch_in_one_line(monkeypatch, capsys):
-    status, out, err = run_main(kernels.main, ["kernels.py", "cpu", "--batches", "2"], monkeypatch, capsys)
+    status, out, err = run_main(matmul.main, ["kernels.py", "cpu", "--batches", "2"], monkeypatch, capsys)
     assert status == 0, err
     assert out.startswith("batch 2: nn ") and "fastest: " in out
-    run = run_main(kernels.main, ["kernels.py", "--batches", "0"], monkeypatch, capsys)
+    run = run_main(matmul.main, ["kernels.py", "--batches", "0"], monkeypatch, capsys)
     assert_refused(run, "kernels.py: error: --batches must be whole numbers >= 1, got [0]")
 
 
 def test_a_batch_too_large_for_memory_is_refused_before_any_row_is_allocated(monkeypatch, capsys):
     monkeypatch.setattr("cli.free_memory", lambda device: 2**30)
-    monkeypatch.setattr(kernels, "time_kernels", lambda *args: pytest.fail("measured before the size check"))
-    run = run_main(kernels.main, ["kernels.py", "--batches", "2", "3000000"], monkeypatch, capsys)
+    monkeypatch.setattr(matmul, "time_kernels", lambda *args: pytest.fail("measured before the size check"))
+    run = run_main(matmul.main, ["kernels.py", "--batches", "2", "3000000"], monkeypatch, capsys)
     assert_refused(run, "kernels.py: error: --batches 3000000 (a step's inputs and outputs) needs ")
 
 
 def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything_compiles(monkeypatch, capsys):
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-c++"))
-    assert "C++ compiler inductor builds its kernels with (no-such-c++)" in kernels.compiler_missing("cpu")
+    assert "C++ compiler inductor builds its kernels with (no-such-c++)" in compile_ways.compiler_missing("cpu")
     with pytest.raises(ValueError, match=r"\(no-such-c\+\+\), and there is none here; install one "
                                          r"\(apt-get install g\+\+\) or name one in CXX, or run without "
                                          r"compiling \(no compiled step is kept at "):
@@ -120,7 +122,7 @@ def test_int8_quantization_keeps_every_weight_within_half_its_rows_scale_step():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 64, generator=gen) * torch.logspace(-4, 1, 48)[:, None]  # rows of every size
     weight[3] = 0  # an all-zero row keeps a positive scale and comes back zero
-    q, scales = kernels.quantize_per_channel(weight)
+    q, scales = int8.quantize_per_channel(weight)
     assert q.dtype == torch.int8 and q.shape == weight.shape and scales.shape == (48,) and (scales > 0).all()
     error = (q.float() * scales[:, None] - weight).abs() / scales[:, None]  # in steps of the row's scale
     assert error.max() <= 0.5 + 1e-4  # the margin: float32's rounding of values up to 128 steps
@@ -136,8 +138,8 @@ def test_attention_as_math_gives_sdpas_output_for_one_query_a_row_over_masked_sl
     k, v = (torch.randn(3, kv_heads, 10, 16, generator=gen) for _ in range(2))
     mask = (torch.arange(10) <= torch.tensor([2, 9, 5])[:, None]).view(3, 1, 1, 10)  # each row its own slots
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4)
-    torch.testing.assert_close(kernels.attention_as_math(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4), want)
-    with kernels.AttentionAsMath():  # how a way with "attention": "math" exports the step
+    torch.testing.assert_close(compile_ways.attention_as_math(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4), want)
+    with compile_ways.AttentionAsMath():  # how a way with "attention": "math" exports the step
         torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                                   enable_gqa=kv_heads != 4), want)
 
@@ -164,9 +166,9 @@ def test_the_fast_engines_pick_gives_the_lesson_engines_tokens(knobs):
     assert FastEngine(model).generate_batch([5, 17, 300], 3, max_tokens=12, seed=[4, 5, 6], **knobs) == want
 
 
-@pytest.mark.parametrize("name", [*INT8_KERNELS, *kernels.COMPILED_LINEARS])
+@pytest.mark.parametrize("name", [*INT8_KERNELS, *compile_ways.COMPILED_LINEARS])
 def test_every_int8_kernel_computes_the_dequantized_product(name):
-    if name in INT8_KERNELS and not kernels.runs_here(name, torch.device("cpu"), torch.int8):
+    if name in INT8_KERNELS and not matmul.runs_here(name, torch.device("cpu"), torch.int8):
         pytest.skip(f"kernel {name!r} does not run in this torch build")
     torch.manual_seed(0)
     block = CachedGPT(SMALL).eval().blocks[0]
@@ -178,7 +180,7 @@ def test_every_int8_kernel_computes_the_dequantized_product(name):
             dequantized.weight.copy_(int8.weight.float() * int8.scales[:, None])
             if layer.bias is not None:
                 dequantized.bias.copy_(layer.bias)
-            got = KernelLinear(int8, (INT8_KERNELS | kernels.COMPILED_LINEARS)[name])(x)
+            got = KernelLinear(int8, (INT8_KERNELS | compile_ways.COMPILED_LINEARS)[name])(x)
         torch.testing.assert_close(got, float64_product(dequantized, x), rtol=1e-5, atol=1e-5)
 
 
@@ -195,7 +197,7 @@ def test_an_int8_engine_quantizes_a_copy_once_and_its_rows_are_each_a_one_row_ru
     assert isinstance(engine.model.head, Int8Linear) and engine.model.emb.weight is model.emb.weight
     assert all(type(m) is torch.nn.Linear for m in model.modules() if "Linear" in type(m).__name__)
     prompt = [5, 17, 300, 42, 9]
-    for kernel in [n for n in INT8_KERNELS if kernels.runs_here(n, torch.device("cpu"), torch.int8)]:
+    for kernel in [n for n in INT8_KERNELS if matmul.runs_here(n, torch.device("cpu"), torch.int8)]:
         fixed = FastEngine(model, kernel=kernel, dtype=torch.int8)
         for knobs, seeds in ((dict(temperature=0), 42), (dict(temperature=1.0), 3)):  # every row seeded alike
             rows, _ = fixed.generate_batch(prompt, 3, max_tokens=12, seed=[seeds] * 3, **knobs)
@@ -210,19 +212,19 @@ def test_an_int8_engine_quantizes_a_copy_once_and_its_rows_are_each_a_one_row_ru
 def test_where_torchs_int8_kernel_does_not_run_the_int8_engine_falls_back_to_dequantizing(monkeypatch):
     def missing(layer, rows):
         raise NotImplementedError("no _weight_int8pack_mm kernel for this device")
-    kernels.int8pack_runs.cache_clear()
-    monkeypatch.setattr(kernels, "int8pack", missing)
-    monkeypatch.setattr(kernels, "CHOSEN", {})
+    matmul.int8pack_runs.cache_clear()
+    monkeypatch.setattr(int8, "int8pack", missing)
+    monkeypatch.setattr(matmul, "CHOSEN", {})
     try:
-        assert not kernels.int8pack_runs(torch.device("cpu"))
+        assert not matmul.int8pack_runs(torch.device("cpu"))
         engine = FastEngine(CachedGPT(SMALL).eval(), dtype=torch.int8)
         engine.generate_batch([1, 2], 2, max_tokens=3, temperature=0)
         assert engine.chosen == {2: "dequantize"} and set(choose(engine.model, 2)[1]) == {"dequantize"}
     finally:
-        kernels.int8pack_runs.cache_clear()
+        matmul.int8pack_runs.cache_clear()
 
 
-@pytest.mark.skipif(bool(kernels.compiler_missing("cpu")), reason=str(kernels.compiler_missing("cpu")))
+@pytest.mark.skipif(bool(compile_ways.compiler_missing("cpu")), reason=str(compile_ways.compiler_missing("cpu")))
 def test_the_compiled_int8_engine_gives_the_eager_int8_tokens(compiled):
     eager, rows = FastEngine(compiled.model, dtype=torch.int8), COMPILED_ROWS
     for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):

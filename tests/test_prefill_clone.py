@@ -6,7 +6,9 @@ import torch
 from cached import CachedGPT, LayerCache
 import prefill_clone
 from conftest import assert_refused, run_main
-from kernels import KERNELS, FastEngine, GraphCache
+from engines.matmul import KERNELS
+from engines.fast_engine import FastEngine
+from engines.decode_step import GraphCache
 from model import GPT, Config
 from checks import cache_bytes
 from prefill_clone import Engine, KVCache, run_prompt
@@ -153,7 +155,7 @@ def test_a_stop_string_completes_a_row():
     assert len(stopped) <= 4 and tokenizer.decode(stopped).endswith(text[-2:])
 
 
-@pytest.mark.parametrize("known_pos", [True, False], ids=["sliced reads", "masked reads (kernels.GraphCache)"])
+@pytest.mark.parametrize("known_pos", [True, False], ids=["sliced reads", "masked reads (decode_step.GraphCache)"])
 def test_ring_past_the_window_gives_cached_py_logits_for_600_steps(known_pos):
     model = small()
     feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))

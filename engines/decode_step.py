@@ -1,0 +1,267 @@
+"""The decode step in a form torch.compile and CUDA graphs accept, compiled or captured once.
+
+GraphCache is the lesson's KVCache with each row's position on the device;
+DecodeStep runs model.step on it with no Python state between steps,
+compiled ahead of time by AOTInductor (each way worth compiling here, timed
+side by side, the fastest kept) or replayed as a CUDA graph.
+"""
+import contextlib
+import copy
+import io
+import os
+import sys
+import time
+import warnings
+
+from cli import atomic_write, shown
+
+import torch
+import torch.nn as nn
+
+from engines.compile_cache import (KEY_FIELD, check_compile_cache, choice_path, keep_choice, load_package,
+                                   package_path, read_choice, step_keys)
+from engines.compile_ways import COMPILED_ATTENTION, WAY_FIELDS, check_compiler, compile_ways, way_model
+from engines.int8 import Int8Linear
+from prefill_clone import KVCache
+from timing import median, timings
+
+
+class GraphCache(KVCache):
+    """A KVCache that a graph-safe step can write: one token per row, each row at its own position
+    given as a (B,) tensor, nothing read on the host (what an exported program and a CUDA graph need).
+    Attention reads the first n slots, n the length of `attended` (the slots' numbers, every slot
+    unless set), and a mask hides any slot a row has not written yet: DecodeStep sets n to the slots
+    written so far, so a step early in a generation does not read the empty rest."""
+
+    def __init__(self, batch, n_layers, max_len, n_kv_heads, head_dim, context=None, dtype=torch.float32,
+                 device="cpu"):
+        assert context is None or max_len <= context, "a cache longer than the context"
+        super().__init__(batch, n_layers, 0, n_kv_heads, head_dim, context or max_len, dtype, device)
+        # KVCache's storage, made here with one slot more than the ring, never written or read: the first
+        # n slots are then never the whole storage, which torch.export would otherwise make a case of its
+        # own (n == max_len) instead of one compiled step for every n.
+        stored = (n_layers, batch, n_kv_heads, max_len + 1, head_dim)
+        self.heads_k, self.heads_v = (torch.zeros(stored, dtype=dtype, device=device)[:, :, :, :max_len]
+                                      for _ in range(2))
+        self.k, self.v = self.heads_k.transpose(2, 3), self.heads_v.transpose(2, 3)
+        self.layer_ids, self.rows, self.slots = (torch.arange(n, device=device) for n in (n_layers, batch, max_len))
+        self.attended = self.slots
+
+    def insert_kv(self, layer, k, v, start):
+        if isinstance(start, int):
+            return super().insert_kv(layer, k, v, start)
+        B, L, n = k.shape[0], self.heads_k.shape[3], self.attended.shape[0]
+        # written through heads_k itself, not a view of one layer: compiled, a write into a view
+        # becomes a copy of the whole cache every step
+        layer_id, slot = self.layer_ids[layer:layer + 1], start % L
+        self.heads_k[layer_id, self.rows, :, slot] = k[:, :, 0]
+        self.heads_v[layer_id, self.rows, :, slot] = v[:, :, 0]
+        if layer == self.heads_k.shape[0] - 1:
+            self.cache_seqlens += 1
+        mask = (self.attended <= start.view(B, 1)).view(B, 1, 1, n)
+        return self.heads_k[layer][:, :, :n], self.heads_v[layer][:, :, :n], mask
+
+
+class StepProgram(nn.Module):
+    """model.step as a function of the cache's tensors, what torch.export needs: a tensor the step only
+    held would be exported as a constant of the program, and its writes would land in a copy."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, token, heads_k, heads_v, cache_seqlens, attended):
+        cache = copy.copy(self.cache)  # the same cache, its stored tensors the program's inputs
+        cache.heads_k, cache.heads_v, cache.cache_seqlens, cache.attended = heads_k, heads_v, cache_seqlens, attended
+        cache.k, cache.v = heads_k.transpose(2, 3), heads_v.transpose(2, 3)
+        return self.model.step(token, cache, cache_seqlens.long())
+
+
+def say(message):
+    print(f"{os.path.basename(sys.argv[0]) or 'python'}: {message}", file=sys.stderr)
+
+
+class DecodeStep:
+    """model.step for one token per row, graph-safe, optionally compiled and/or captured as a CUDA graph.
+
+    Each row's position is read from cache_seqlens on the device and the cache is written in place,
+    so a step needs no Python-side state: what an exported program (one graph, the cache's tensors its
+    inputs) and a CUDA graph (replayed with no host work, its token a static buffer) both need. The
+    slots a step reads, the cache's `attended`, are the program's one input whose size changes: from
+    one slot to the whole ring, the same compiled program.
+
+    compile: the step compiled ahead of time by AOTInductor each of the compile_ways for this device and
+    batch (or each of `ways` given, {name: options as in COMPILE_WAYS}), each kept as a package in the folder
+    compile_cache
+    (default: default_compile_cache()) under its step_key, and loaded from there when a package for
+    the same key is kept: no compiling, and no dynamo guards on each step. With more than one way,
+    each is timed side by side here and the fastest runs (self.way says which, self.way_ms what each
+    took); the times are kept beside the packages (choice_path), so a later step for the same
+    packages loads only the faster one. self.loaded says whether every package was loaded,
+    self.package where the one that runs is kept, compile_seconds what making the step ready took.
+    A package that cannot be loaded, or is not its key's, is said in one line on stderr, left as it
+    is, and the step compiled anew; either way the step's first logits are checked against the
+    eager step's.
+    capture (CUDA only): replay a captured graph of the step.
+    """
+
+    def __init__(self, model, cache, compile=False, capture=False, ways=None, compile_cache=None):
+        self.model, self.cache = model, cache
+        self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
+        self.run, self.graph, self.compile_seconds = self._step, None, 0.0
+        self.loaded, self.package, self.way, self.way_ms = False, None, None, {}
+        if compile:
+            started = time.perf_counter()
+            self.run = self._compiled(ways, check_compile_cache(compile_cache))
+            self._rehearse(self.run)  # a loaded package prepares its weights on its first calls: not in a timing
+            self._check_against_eager()
+            self.compile_seconds = time.perf_counter() - started
+        if capture:
+            self._rehearse(self._capture)
+
+    def _step(self):
+        return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
+
+    def _compiled(self, ways, folder):
+        """The compiled step that runs: the only way, or the fastest of the ways here."""
+        model, cache = self.model, self.cache
+        int8 = any(isinstance(m, Int8Linear) for m in model.modules())
+        ways = ways or compile_ways(cache.k.device, cache.shape["batch"], int8)
+        keys = step_keys(model, cache, ways)
+        choice = choice_path(folder, list(keys.values()))
+        self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}
+        if self.way_ms:  # measured here before, for these very packages: only the faster is loaded
+            ways = {name: o for name, o in ways.items() if name == min(self.way_ms, key=self.way_ms.get)}
+        made = {name: self._kept_or_compiled(dict(o), keys[name], folder) for name, o in ways.items()}
+        self.loaded = all(loaded for _, _, loaded in made.values())
+        # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
+        runs = {name: lambda loader=runner.loader: loader.boxed_run(self._inputs())[0]
+                for name, (runner, _, _) in made.items()}
+        if len(runs) > 1:
+            self.way_ms = self._time_ways(runs)
+            keep_choice(choice, self.way_ms)
+        self.way = min(self.way_ms, key=self.way_ms.get) if self.way_ms else next(iter(runs))
+        self.package = made[self.way][1]
+        if self.way_ms:
+            times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.way_ms.items())
+            measured = "timed here" if len(runs) > 1 else f"as timed here before ({shown(choice)})"
+            say(f"the compiled decode step for {cache.shape['batch']} rows, {measured}: {times} a step; "
+                f"running {self.way}")
+        return runs[self.way]
+
+    def _kept_or_compiled(self, way, key, folder):
+        """(runner, package path, whether it was loaded) for the step compiled `way` (a COMPILE_WAYS entry)
+        under `key` (its step_keys): loaded where a package is kept for the key, else compiled and kept."""
+        path = package_path(folder, key)
+        rows = f"the compiled decode step for {self.cache.shape['batch']} rows"
+        if os.path.lexists(path):
+            runner, unusable = load_package(path, key)
+            if runner is not None:
+                say(f"{rows}: loaded from {shown(path)}")
+                return runner, path, True
+            say(f"{rows}: {shown(path)} cannot be used ({unusable}); compiling anew and leaving that "
+                "file as it is (delete it to keep the new one there)")
+        # a kept step loads without a C++ compiler; only compiling needs one
+        check_compiler(self.cache.k.device, f"or run without compiling (no compiled step is kept at {shown(path)})")
+        say(f"{rows}: compiling (a minute or so), to keep in {shown(path)}")
+        package = io.BytesIO()
+        with torch.no_grad(), warnings.catch_warnings():
+            # raised by torch.export and by inductor's autotuner about their own internals
+            warnings.filterwarnings("ignore", "TypedStorage is deprecated")
+            warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+            options = {name: value for name, value in way.items() if name not in WAY_FIELDS}
+            torch._inductor.aoti_compile_and_package(self.exported(way), package_path=package,
+                                                     inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
+        try:
+            with atomic_write(path) as f:
+                f.write(package.getbuffer())
+        except FileExistsError:  # another run kept this key's package first, or a file unusable here is there
+            pass
+        runner, unusable = load_package(package, key)
+        if runner is None:
+            raise RuntimeError(f"{rows} was compiled but cannot be loaded ({unusable})")
+        return runner, path, False
+
+    def exported(self, way):
+        """The step as torch.export makes it for `way` (a COMPILE_WAYS entry): one program for every number
+        of slots attended, exported at half of them (inductor tunes its kernels for the example's sizes,
+        and at all of them it made a step that reads them all)."""
+        slots = self.cache.shape["max_len"]
+        example = (*self._inputs()[:-1], self._half_the_slots())
+        attended = {0: torch.export.Dim("attended", min=1, max=slots)} if slots > 1 else None
+        with COMPILED_ATTENTION[way["attention"]]() if "attention" in way else contextlib.nullcontext():
+            return torch.export.export(StepProgram(way_model(self.model, way), self.cache), example,
+                                       dynamic_shapes=(None, None, None, None, attended), strict=False)
+
+    def _time_ways(self, runs, steps=10, rounds=5):
+        """{name: ms a step} for each compiled way, timed side by side (timing.timings: a warm-up, which is also
+        where a loaded package prepares its weights, then the ways in turns), each step attending to half the
+        ring's slots, as one mid-way through a generation that fills it does; the steps write into the cache,
+        which is put back after."""
+        with self._cache_put_back():
+            self.cache.attended = self._half_the_slots()
+            seconds = timings({name: lambda run=run: [run() for _ in range(steps)] for name, run in runs.items()},
+                              rounds, self.cache.k.device, label="compiled ways:")
+        return {name: median(ts) / steps * 1e3 for name, ts in seconds.items()}
+
+    def _half_the_slots(self):
+        """The first half of the ring's slots (at least two, if it has them; a length of 1 would make
+        torch.export take it for a constant)."""
+        slots = self.cache.shape["max_len"]
+        return self.cache.slots[:min(slots, max(2, slots // 2))]
+
+    def _inputs(self):
+        return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens, self.cache.attended]
+
+    def _check_against_eager(self):
+        """Refuse a compiled step whose first step is not the eager one's, in its logits or in the cache it
+        wrote (a program whose writes landed in a copy would give the eager logits once, then drift)."""
+        compiled, eager = self._rehearse(self.run), self._rehearse(self._step)
+        # compiled and eager sum in other orders: as close as two float32 forwards, or a few bfloat16 steps
+        share = 1e-3 if self.cache.heads_k.dtype == torch.float32 else 5e-2
+        for got, want in zip(compiled, eager):
+            if got.shape != want.shape or not (got.double() - want.double()).abs().max().item() <= share * max(
+                    1.0, want.double().abs().max().item()):
+                raise RuntimeError(f"the compiled decode step ({shown(self.package)}) does not compute what the "
+                                   "eager step does; delete that file and run again")
+
+    @contextlib.contextmanager
+    def _cache_put_back(self):
+        """After the block, the cache as it was before it, the slots it attends to included (rehearsals and
+        timings must not count as steps)."""
+        live = (self.cache.k, self.cache.v, self.cache.cache_seqlens)
+        saved, attended = [t.clone() for t in live], self.cache.attended
+        try:
+            yield live
+        finally:
+            for t, kept in zip(live, saved):
+                t.copy_(kept)
+            self.cache.attended = attended
+
+    def _rehearse(self, fn):
+        """Run fn, then put the cache back as it was; returns what fn returned and the cache it left."""
+        with self._cache_put_back() as live:
+            out = fn()
+            return [out.clone() if out is not None else None] + [t.clone() for t in live]
+
+    def _capture(self):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up runs, which capture requires, on a side stream
+                self.run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.run()
+
+    def __call__(self, token, pos):
+        """Feed token (B, 1) at position pos, every row's (each row's own lives on the device, in
+        cache_seqlens); returns logits (B, vocab). The step attends to the slots written by then, pos + 1
+        or the whole ring, and a captured graph to every slot, as it was captured."""
+        if self.graph is None:
+            self.token, self.cache.attended = token, self.cache.slots[:pos + 1]
+            return self.run()
+        self.token.copy_(token)  # a captured graph reads the tensor it was captured with
+        self.graph.replay()
+        return self.logits

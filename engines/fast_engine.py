@@ -1,0 +1,168 @@
+"""prefill_clone's Engine with its decode step made fast from outside, as gpt-fast applies torch.compile.
+
+The fastest exact matrix multiply measured here (engines/matmul.py), a compiled
+or CUDA-graph decode step (engines/decode_step.py), bfloat16 or int8 weights
+(engines/int8.py): the model and the lesson's Engine know nothing of it.
+
+    python -m engines.fast_engine [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0 [--compile] [--dtype int8]
+
+prints N samples from one prompt pass, then the time to the first token and
+the tokens a second; the same samples as python prefill_clone.py.
+"""
+import copy
+
+from cli import DTYPE_NAMES, Parser, add_speed_flags, device_from, run_cli
+
+import torch
+
+import sampling
+from cached import load_pair
+from checks import check_request
+from engines.compile_cache import check_compile_cache
+from engines.decode_step import DecodeStep, GraphCache
+from engines.int8 import quantized
+from engines.matmul import choose, kernel_named, with_kernel
+from prefill_clone import Engine, KVCache, add_sample_flags, clone_prompt, sample_knobs, show_samples
+
+
+# int8: the weights only (Int8Linear), the activations and the cache float32
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+def check_dtype(dtype, device):
+    """One of DTYPES (a name or the torch.dtype); float16 only on CUDA, where it has fast kernels."""
+    dtype = DTYPES.get(dtype, dtype)
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if dtype == torch.float16 and device.type != "cuda":
+        raise ValueError("float16 runs only on CUDA here; on the CPU use bfloat16")
+    return dtype
+
+
+def speed_flags(args):
+    """The Engine's compile, compile cache and dtype from those flags, all checked before any checkpoint is read."""
+    device = device_from(args.device)
+    cache = check_compile_cache(args.compile_cache) if args.compile else args.compile_cache
+    return dict(compile=args.compile, compile_cache=cache, dtype=check_dtype(args.dtype, device))
+
+
+def weights_state(model):
+    """The model's weight tensors and how often each was changed in place (inference tensors cannot be)."""
+    return [(p, 0 if p.is_inference() else p._version) for p in model.parameters()]
+
+
+class FastEngine(Engine):
+    """prefill_clone's Engine with its decode step made fast from outside.
+
+    kernel: the decode steps' matrix multiply: "auto" measures the exact candidates once per batch size
+    where this runs and keeps the fastest (self.chosen says which); a name fixes it. compile: the
+    graph-safe decode step compiled ahead of time, once per batch size, and kept in the folder
+    compile_cache, so a later Engine with the same weights loads it in seconds (DecodeStep says
+    how; inductor picks the kernels; self.compile_seconds says what making it ready took, and
+    self.steps[batch].loaded whether it was loaded); its cache is the full context, so one
+    compiled step serves every prompt and length. cuda_graph: replay each decode step as a CUDA graph (on a CPU the same
+    graph-safe step runs eagerly); with compile on CUDA the compiled step is what is captured.
+    dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache; int8 for
+    int8 copies of the Linear weights, quantized here, once (quantized()), with the embedding, the
+    activations and the cache float32, the kernel chosen among INT8_KERNELS.
+    """
+
+    def __init__(self, model, tokenizer=None, kernel="auto", compile=False, dtype=torch.float32, cuda_graph=False,
+                 fill=clone_prompt, compile_cache=None):
+        device = model.emb.weight.device
+        dtype = check_dtype(dtype, device)
+        if kernel != "auto":
+            kernel_named(kernel, device, dtype)
+            if compile:
+                raise ValueError(f"kernel {kernel!r} with compile=True: inductor picks the compiled step's kernels; "
+                                 "leave kernel='auto'")
+        if dtype == torch.int8:
+            ready = quantized(model)
+        else:
+            ready = model if model.emb.weight.dtype == dtype else copy.deepcopy(model).to(dtype)
+        super().__init__(ready, tokenizer, fill)
+        # a bfloat16 or int8 copy, or a compiled step with frozen weights, would keep running the weights of now
+        self.source, self.weights = model, weights_state(model)
+        self.kernel, self.compile, self.cuda_graph, self.dtype = kernel, compile, cuda_graph, dtype
+        self.compile_cache = compile_cache
+        # a compiled or graphed step is made once per batch and kept; its cache holds the full context
+        # and it reads the slots written so far (a graph: all of them, behind a mask), so one of them
+        # serves every prompt and length
+        self.keeps_step = compile or cuda_graph
+        self.chosen, self.kernel_models, self.steps, self.compile_seconds = {}, {}, {}, {}  # keyed by batch
+
+    def kernel_model(self, batch):
+        """self.model with its products run by the kernel measured fastest for `batch` rows (or fixed)."""
+        if batch not in self.kernel_models:
+            self.chosen[batch] = choose(self.model, batch)[0] if self.kernel == "auto" else self.kernel
+            name, device = self.chosen[batch], self.model.emb.weight.device
+            self.kernel_models[batch] = self.model if name == "nn" else with_kernel(
+                self.model, kernel_named(name, device, self.dtype))
+        return self.kernel_models[batch]
+
+    def cache_len(self, n_prompt, max_tokens):
+        return self.model.cfg.context if self.keeps_step else super().cache_len(n_prompt, max_tokens)
+
+    def decoder(self, batch, max_len):
+        """An empty cache of `batch` rows and the decode step that writes it: a graph-safe step and
+        its cache are made once per batch and kept (compiling or capturing costs more than a run)."""
+        self.check_unchanged()
+        if not self.keeps_step:
+            model, cache = self.kernel_model(batch), KVCache.for_model(self.model, batch, max_len)
+            return cache, lambda token, pos: model.step(token, cache, pos)
+        if batch not in self.steps:
+            cache = GraphCache.for_model(self.model, batch, max_len)
+            model = self.model if self.compile else self.kernel_model(batch)
+            self.steps[batch] = DecodeStep(model, cache, self.compile, capture=cache.k.device.type == "cuda",
+                                           compile_cache=self.compile_cache)
+            self.compile_seconds[batch] = self.steps[batch].compile_seconds
+        step = self.steps[batch]
+        step.cache.reset()
+        return step.cache, step
+
+    def pick(self, logits, history, generators, settings):
+        """The Engine's pick, all rows in one call where they share their knobs (as they mostly do): the
+        same tokens, without a group's gather and scatter, which cost more than the pick at one row."""
+        if any(knobs != settings[0] for knobs in settings):
+            return super().pick(logits, history, generators, settings)
+        return sampling.pick(logits, history=history, generator=generators, **settings[0])
+
+    def check_unchanged(self):
+        """Refuse to run once the model's weights changed after this Engine was made: its bfloat16 copy,
+        or a compiled step with the weights frozen in, would go on running the old ones."""
+        now = weights_state(self.source)
+        if len(now) != len(self.weights) or any(p is not q or v != w for (p, v), (q, w) in zip(self.weights, now)):
+            raise ValueError("the model's weights changed after this Engine was made (its decode step or its copy "
+                             "holds the old ones); make a new Engine for the new weights")
+
+    @torch.inference_mode()
+    def prepare(self, batch):
+        """Do now what the first generate of `batch` rows would do before its first token: measure the
+        matrix multiplies, or make the kept decode step (compiling takes a minute or so, loading a
+        kept one seconds). Returns the seconds making the compiled step ready took, 0 if not compiled;
+        a script calls it before anything it times or shows an ETA for."""
+        check_request(self, [0], batch, 1, 0, None, None, {})  # as the smallest generate of `batch` rows would be
+        if self.keeps_step:
+            self.decoder(batch, self.model.cfg.context)
+        else:
+            self.kernel_model(batch)
+        return self.compile_seconds.get(batch, 0.0)
+
+
+def main():
+    ap = Parser(description="One prompt pass, N samples, the decode step made fast: prefill_clone.py on FastEngine.")
+    add_sample_flags(ap)
+    add_speed_flags(ap)
+    args = ap.parse_args()
+    knobs, speed = sample_knobs(args), speed_flags(args)
+    model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
+    engine = FastEngine(model, tokenizer, **speed)
+
+    def prepare():  # compiling (or measuring the kernels) first, so that no timing or ETA holds it
+        seconds = engine.prepare(args.n)
+        return f", {args.dtype}" + (f"; the compiled decode step ready in {seconds:.1f} s before" if args.compile else "")
+    show_samples(engine, tokenizer, args, knobs, prepare)
+
+
+if __name__ == "__main__":
+    run_cli(main)

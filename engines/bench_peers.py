@@ -3,7 +3,7 @@
     python bench.py --tables 6          # or --all
 
 transformers' GPT-NeoX, CTranslate2 (float32 and int8) and llama.cpp (f32 and
-q8_0), each installed by requirements-peers.txt; llama.cpp and CTranslate2
+q8_0), each installed by requirements-serve.txt; llama.cpp and CTranslate2
 each in a fresh process of its own every round (engines/peers.py).
 """
 import importlib.util
@@ -22,11 +22,11 @@ from timing import bandwidth_cells, bytes_per_step, measure, put_bandwidth
 
 # table 6's serving engines: the modules each needs, and the requirements file that installs them
 # (CTranslate2 int8: its own int8 compute on the float32 conversion; llama.cpp q8_0: a q8_0 GGUF)
-PEERS = {"transformers": (("transformers",), "requirements.txt"),
-         "ctranslate2": (("ctranslate2",), "requirements-peers.txt"),
-         "ctranslate2_int8": (("ctranslate2",), "requirements-peers.txt"),
-         "llama_cpp": (("gguf", "llama_cpp"), "requirements-peers.txt"),
-         "llama_cpp_q8_0": (("gguf", "llama_cpp"), "requirements-peers.txt")}
+PEERS = {"transformers": (("transformers",), "requirements-serve.txt"),
+         "ctranslate2": (("ctranslate2",), "requirements-serve.txt"),
+         "ctranslate2_int8": (("ctranslate2",), "requirements-serve.txt"),
+         "llama_cpp": (("gguf", "llama_cpp"), "requirements-serve.txt"),
+         "llama_cpp_q8_0": (("gguf", "llama_cpp"), "requirements-serve.txt")}
 
 
 GGUF_KINDS = {"llama_cpp": "f32", "llama_cpp_q8_0": "q8_0"}
@@ -51,7 +51,7 @@ def missing_peers(device):
         if not all(importlib.util.find_spec(m) for m in modules):
             missing[name] = f"not installed (pip install -r {requirements})"
         elif name != "transformers" and "transformers" in missing:  # the model reaches them through engines/hf_folder.py
-            missing[name] = "needs transformers to export the model (pip install -r requirements.txt)"
+            missing[name] = "needs transformers to export the model (pip install -r requirements-serve.txt)"
         elif name != "transformers" and device.type != "cpu":
             missing[name] = "run on the CPU only here"
     return missing

@@ -19,7 +19,6 @@ from cli import atomic_write, check_output, first_line, shown
 
 import torch
 
-from engines import compile_ways, int8, matmul
 
 
 def default_compile_cache():
@@ -66,15 +65,19 @@ def weights_digest(model):
     return digest.hexdigest()
 
 
+# the files of this folder whose code a compiled step runs, or which decide how it is exported and keyed
+STEP_CODE = ("compile_cache.py", "compile_ways.py", "decode_step.py", "int8.py", "matmul.py")
+
+
 def step_sources(model, cache):
     """{file name: sha256} of the code a step runs outside torch (torch's own is its version): the files of
-    the model's and the cache's classes and of their bases (engines/decode_step.py's StepProgram is
-    exported with GraphCache), and the files of what a way may export in the model's place (its products,
-    its attention) and of this key itself."""
+    the model's and the cache's classes and of their bases, and STEP_CODE: StepProgram, what a way may
+    export in the model's place (its products, its attention), and this key itself."""
     classes = {c for obj in (*model.modules(), cache) for c in type(obj).__mro__}
     files = {inspect.getfile(c) for c in classes if c.__module__.partition(".")[0] not in ("torch", "builtins")}
     sources = {}
-    for path in sorted(files | {compile_ways.__file__, int8.__file__, matmul.__file__, __file__}):
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in sorted(files | {os.path.join(here, name) for name in STEP_CODE}):
         with open(path, "rb") as f:
             sources[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
     return sources

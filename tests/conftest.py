@@ -32,6 +32,15 @@ TEXT = (
 ) * 3
 
 
+def needs(module):
+    """The serving package `module` (requirements-serve.txt), imported; outside CI a test that needs one that
+    is not installed skips, naming the file; in CI (CI=true) it fails."""
+    import importlib
+    if os.environ.get("CI") == "true":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=f"{module} is not installed: pip install -r requirements-serve.txt")
+
+
 def sha256(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -175,6 +184,36 @@ def part3_state_dict(cfg, seed=0):
     sd["norm.weight"], sd["norm.bias"] = 1 + w(d), w(d)
     sd["head.weight"] = sd["emb.weight"]
     return sd
+
+
+# The small model most tests run: two 64-wide blocks and a 32-token window, so a step takes milliseconds
+# and a test can run far past the window; its vocabulary holds PROMPT's ids.
+SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
+PROMPT = [5, 17, 300, 42, 9]
+
+
+def small(cfg=SMALL, seed=0):
+    """A CachedGPT of cfg, seeded, in eval mode."""
+    from cached import CachedGPT
+    torch.manual_seed(seed)
+    return CachedGPT(cfg).eval()
+
+
+def prompts(batch, length, vocab, seed=1):
+    return torch.randint(vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def keys_attended(monkeypatch):
+    """Record how many keys each SDPA call may attend to (masked-out keys not counted)."""
+    import model as model_py
+    seen = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q, k, v, attn_mask=None, **kwargs):
+        seen.append(k.shape[-2] if attn_mask is None else int(attn_mask[0].sum()))
+        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+    monkeypatch.setattr(model_py.F, "scaled_dot_product_attention", counting)
+    return seen
 
 
 ODD_TEXTS = [

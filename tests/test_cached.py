@@ -7,16 +7,13 @@ import pytest
 import torch
 
 import cached
-import model as model_py
 from bpe import BPE
 from cached import CachedGPT, LayerCache, TrimAfter, exact_tokens, load
 from checks import save_checkpoint
-from conftest import PART3_CONFIG, ROOT, assert_refused, exit_status, part3_state_dict, run_main
+from conftest import (PART3_CONFIG, ROOT, SMALL, assert_refused, exit_status, keys_attended, part3_state_dict, prompts,
+                      run_main)
 from model import GPT, Config, rope_at
-from engines.decode_step import GraphCache
 from prefill_clone import KVCache
-
-SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +25,6 @@ def random_model():
 @pytest.fixture(scope="module")
 def shipped():
     return load("holmes.pt")
-
-
-def prompts(batch, length, vocab, seed=1):
-    return torch.randint(vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def reference_rope(x, positions):
@@ -111,30 +104,16 @@ def test_the_head_runs_once_for_the_prompt_and_once_per_generated_token(random_m
         handle.remove()
 
 
-def keys_attended(monkeypatch):
-    """Record how many keys each SDPA call may attend to (masked-out keys not counted)."""
-    seen = []
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def counting(q, k, v, attn_mask=None, **kwargs):
-        seen.append(k.shape[-2] if attn_mask is None else int(attn_mask[0].sum()))
-        return original(q, k, v, attn_mask=attn_mask, **kwargs)
-    monkeypatch.setattr(model_py.F, "scaled_dot_product_attention", counting)
-    return seen
-
-
-@pytest.mark.parametrize("cache", ["rolling", "ring", "ring, positions on the device"])
+@pytest.mark.parametrize("cache", ["rolling", "ring"])
 def test_a_step_past_the_window_attends_exactly_context_keys(random_model, monkeypatch, cache):
     feed = prompts(1, 50, SMALL.vocab_size)
-    ring = KVCache if cache == "ring" else GraphCache  # GraphCache: kernels.py's, for the graph-safe step
     caches = [LayerCache(SMALL.context) for _ in random_model.blocks] if cache == "rolling" else \
-        ring.for_model(random_model, 1, SMALL.context)
+        KVCache.for_model(random_model, 1, SMALL.context)
     with torch.inference_mode():
         random_model.step(feed[:, :10], caches, 0)
         seen = keys_attended(monkeypatch)
         for t in range(10, 50):
-            start = t if cache != "ring, positions on the device" else torch.tensor([t])
-            random_model.step(feed[:, t:t + 1], caches, start)
+            random_model.step(feed[:, t:t + 1], caches, t)
     per_step = seen[::SMALL.n_layers]
     assert per_step == [min(t + 1, SMALL.context) for t in range(10, 50)]
 

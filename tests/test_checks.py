@@ -72,7 +72,7 @@ def test_every_generate_path_refuses_a_model_with_any_part_in_training_mode(path
      "one dropout": next(m for m in model.modules() if isinstance(m, torch.nn.Dropout))}[left_training].train()
     run = {"Engine": lambda: Engine(model).generate_batch([1, 2], 1, max_tokens=3),
            "FastEngine": lambda: FastEngine(model).generate_batch([1, 2], 1, max_tokens=3),
-           "sample_grid.grid": lambda: sample_grid.grid(model, [1, 2], 3, 0),
+           "sample_grid.grid": lambda: sample_grid.grid(Engine(model), [1, 2], 3, 0),
            "generate_cached": lambda: model.generate_cached(torch.tensor([[1, 2]]), 3),
            "GPT.generate": lambda: model.generate(torch.tensor([[1, 2]]), 3)}[path]
     # the Engine's front door says it in one line; the model's own loops (the lesson's) assert it

@@ -241,14 +241,14 @@ def test_a_failing_top_level_import_is_one_line_and_any_other_error_keeps_its_tr
 
 def test_the_lessons_files_import_nothing_of_the_command_line():
     run = subprocess.run([sys.executable, "-c", "import sys, model, sampling; print('cli' in sys.modules); "
-                          "import cached, prefill_clone; print('kernels' in sys.modules)"],
+                          "import cached, prefill_clone; print(any(m.startswith('engines') for m in sys.modules))"],
                          cwd=ROOT, capture_output=True, text=True)
     # model.py and sampling.py need no command line; speed is applied from outside: the lesson never imports it
     assert run.stdout.split() == ["False", "False"], run.stderr
 
 
-SCRIPTS = ["bench.py", "bpe.py", "cached.py", "export.py", "kernels.py", "prefill_clone.py", "sample_grid.py",
-           "train.py"]  # model.py and sampling.py, the lesson's, import cli only in their main
+SCRIPTS = ["bench.py", "bpe.py", "cached.py", "export.py", "engines/matmul.py", "engines/fast_engine.py",
+           "prefill_clone.py", "sample_grid.py", "train.py"]  # model.py and sampling.py, the lesson's, import cli only in their main
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -383,10 +383,9 @@ def run_writer(script, tmp_path, *flags, monkeypatch, capsys, during=lambda: Non
         monkeypatch.setattr(BPE, "train", lambda *args, **kwargs: (during(), real_train(*args, **kwargs))[1])
         argv, main = ["bpe.py", "corpus.txt", "--vocab", "300", "--out", "tok.json"], bpe_module.main
     else:
-        # what is tested is the writing of bench.json: the model, the Engines and the bandwidth it measures
+        # what is tested is the writing of bench.json: the model and the bandwidth it measures
         # first (a second's work) are not what table 1 needs
         monkeypatch.setattr(bench, "untrained_model", lambda device: None)
-        monkeypatch.setattr(bench, "engine_forms", lambda model: {})
         monkeypatch.setattr(bench, "read_bandwidth", lambda device: 1e10)
         monkeypatch.setattr(bench, "table_memory", lambda device, out: during())
         argv, main = ["bench.py", "cpu", "--tables", "1", "--json", "bench.json"], bench.main

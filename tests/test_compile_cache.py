@@ -155,7 +155,7 @@ def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
     monkeypatch.setattr(compile_cache, "step_sources", lambda *args: {**sources, "model.py": "edited"})
     others["source"] = step_key(model, cache, {})
     assert len({key, *others.values()}) == 1 + len(others), others
-    assert {"model.py", "cached.py", "prefill_clone.py", "kernels.py"} <= set(sources)
+    assert {"model.py", "cached.py", "prefill_clone.py", "decode_step.py", "matmul.py"} <= set(sources)
 
 
 def test_weights_changed_in_place_are_refused_by_the_engine_and_compiled_anew_by_a_new_one(kept, light,
@@ -248,11 +248,11 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_t
         tmp_path, monkeypatch):
     taken = tmp_path / "a file"
     taken.write_text("mine")
-    monkeypatch.setattr(sys, "argv", ["prefill_clone.py", "no-such.pt", "--compile", "--compile-cache", str(taken)])
-    import prefill_clone
+    monkeypatch.setattr(sys, "argv", ["fast_engine.py", "no-such.pt", "--compile", "--compile-cache", str(taken)])
+    from engines import fast_engine
     with pytest.raises(SystemExit) as exit:
-        run_cli(prefill_clone.main)
-    assert exit.value.code == (f"prefill_clone.py: error: cannot make the compile cache folder {taken} (File exists); "
+        run_cli(fast_engine.main)
+    assert exit.value.code == (f"fast_engine.py: error: cannot make the compile cache folder {taken} (File exists); "
                                "name another with --compile-cache")
     assert taken.read_text() == "mine"
 

@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
-from conftest import ODD_TEXTS, PART3_CONFIG, part3_state_dict, run_main
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import ODD_TEXTS, PART3_CONFIG, needs, part3_state_dict, run_main
+
+needs("transformers")  # requirements-serve.txt: the whole export
+import safetensors.torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from engines import export
 from bpe import BPE

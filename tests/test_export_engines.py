@@ -15,7 +15,9 @@ import urllib.request
 import pytest
 import torch
 from children import ct2_greedy_as_it_loads, segfault
-from conftest import ODD_TEXTS, run_main_once
+from conftest import ODD_TEXTS, needs, run_main_once
+
+needs("transformers")  # the export every engine here reads
 
 from engines import export
 from engines import peers
@@ -23,12 +25,6 @@ from bpe import BPE
 from cli import run_cli
 from cached import first_difference, load
 from engines.export import PROMPT, cached_tokens, neox_state_dict, spelled_vocabulary
-
-
-def needs(module):
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)  # in CI a missing engine is a failure
-    return pytest.importorskip(module, reason=f"{module} is not installed: pip install -r {peers.REQUIREMENTS}")
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +173,7 @@ def test_llama_cpp_loads_without_repacking_where_it_uses_amx(monkeypatch):
 
 def test_a_crashing_engine_ends_export_py_in_one_line_and_leaves_nothing(holmes, tmp_path, monkeypatch, capsys):
     needs("gguf"), needs("llama_cpp")
-    monkeypatch.setattr(serve, "llama_greedy", segfault)
+    monkeypatch.setattr(peers, "llama_greedy", segfault)
     monkeypatch.setattr(sys, "argv", ["export.py", "--gguf", str(tmp_path / "x.gguf")])
     with pytest.raises(SystemExit) as exit:
         run_cli(export.main)

@@ -1,4 +1,4 @@
-"""kernels.py: every candidate computes nn.Linear's product; only an exact one can be chosen, once per batch."""
+"""engines/matmul.py and engines/int8.py: every candidate computes nn.Linear's product; only an exact one can be chosen, once per batch."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,14 +7,11 @@ from engines import compile_ways, int8, matmul
 import model as model_py
 import sample_grid
 from cached import CachedGPT
-from conftest import COMPILED_ROWS, assert_refused, run_main
+from conftest import COMPILED_ROWS, SMALL, assert_refused, run_main
 from prefill_clone import Engine
 from engines.int8 import INT8_KERNELS, Int8Linear
 from engines.matmul import KERNELS, KernelLinear, choose, time_kernels, with_kernel
 from engines.fast_engine import FastEngine
-from model import Config
-
-SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 
 
 def float64_product(layer, x):
@@ -92,18 +89,18 @@ def test_the_choice_is_measured_once_per_batch_and_kept(monkeypatch):
 
 
 def test_cli_prints_each_kernel_and_the_fastest_and_refuses_a_bad_batch_in_one_line(monkeypatch, capsys):
-    status, out, err = run_main(matmul.main, ["kernels.py", "cpu", "--batches", "2"], monkeypatch, capsys)
+    status, out, err = run_main(matmul.main, ["matmul.py", "cpu", "--batches", "2"], monkeypatch, capsys)
     assert status == 0, err
     assert out.startswith("batch 2: nn ") and "fastest: " in out
-    run = run_main(matmul.main, ["kernels.py", "--batches", "0"], monkeypatch, capsys)
-    assert_refused(run, "kernels.py: error: --batches must be whole numbers >= 1, got [0]")
+    run = run_main(matmul.main, ["matmul.py", "--batches", "0"], monkeypatch, capsys)
+    assert_refused(run, "matmul.py: error: --batches must be whole numbers >= 1, got [0]")
 
 
 def test_a_batch_too_large_for_memory_is_refused_before_any_row_is_allocated(monkeypatch, capsys):
     monkeypatch.setattr("cli.free_memory", lambda device: 2**30)
     monkeypatch.setattr(matmul, "time_kernels", lambda *args: pytest.fail("measured before the size check"))
-    run = run_main(matmul.main, ["kernels.py", "--batches", "2", "3000000"], monkeypatch, capsys)
-    assert_refused(run, "kernels.py: error: --batches 3000000 (a step's inputs and outputs) needs ")
+    run = run_main(matmul.main, ["matmul.py", "--batches", "2", "3000000"], monkeypatch, capsys)
+    assert_refused(run, "matmul.py: error: --batches 3000000 (a step's inputs and outputs) needs ")
 
 
 def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything_compiles(monkeypatch, capsys):
@@ -213,7 +210,7 @@ def test_where_torchs_int8_kernel_does_not_run_the_int8_engine_falls_back_to_deq
     def missing(layer, rows):
         raise NotImplementedError("no _weight_int8pack_mm kernel for this device")
     matmul.int8pack_runs.cache_clear()
-    monkeypatch.setattr(int8, "int8pack", missing)
+    monkeypatch.setattr(matmul, "int8pack", missing)
     monkeypatch.setattr(matmul, "CHOSEN", {})
     try:
         assert not matmul.int8pack_runs(torch.device("cpu"))

@@ -12,10 +12,9 @@ import model as model_py
 from bpe import BPE
 from cached import CachedGPT, Config, TrimAfter, load
 from checks import load_checkpoint
+from conftest import SMALL
 from sample_grid import SETTINGS
 from sampling import pick
-
-SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,97 @@
+"""engines/fast_engine.py: FastEngine gives the lesson's tokens with every kernel, dtype and step form, and its
+command refuses what it cannot honour in one line."""
+import pytest
+import torch
+
+import test_prefill_clone
+from bpe import BPE
+from cached import load
+from conftest import PROMPT, SMALL, assert_refused, keys_attended, prompts, run_main, small
+from engines import fast_engine
+from engines.decode_step import GraphCache
+from engines.fast_engine import FastEngine
+from engines.matmul import KERNELS
+from prefill_clone import Engine
+from sample_grid import SETTINGS, grid
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-safe step, run eagerly"])
+@pytest.mark.parametrize("kernel", ["auto", *KERNELS])
+def test_engine_greedy_rows_equal_cached_py_past_the_window_with_every_kernel(kernel, graph):
+    model = small()
+    expected = model.generate_cached(torch.tensor([PROMPT]), 60)[0, len(PROMPT):].tolist()
+    for n in (1, 3):  # a lone row (the lone-row kernels) and several
+        engine = FastEngine(model, kernel=kernel, cuda_graph=graph)
+        rows, _ = engine.generate_batch(PROMPT, n, max_tokens=60, temperature=0)
+        assert rows == [expected] * n
+
+
+def test_bf16_engine_runs_a_bf16_copy_and_leaves_the_model_as_it_was():
+    model = small()
+    engine = FastEngine(model, dtype=torch.bfloat16)
+    rows, _ = engine.generate_batch(PROMPT, 3, max_tokens=20, temperature=0)
+    assert engine.model.emb.weight.dtype == torch.bfloat16 and model.emb.weight.dtype == torch.float32
+    assert engine.model.head.weight is engine.model.emb.weight  # still tied
+    assert len(rows) == 3 and all(len(r) == 20 and all(0 <= t < 512 for t in r) for r in rows)
+    expected = model.generate_cached(torch.tensor([PROMPT]), 20)[0, len(PROMPT):].tolist()
+    assert rows[0][:3] == expected[:3]  # a sanity check: bf16 may part later, not at once
+
+
+@pytest.mark.parametrize("engine, message", [
+    (dict(kernel="fast"), "unknown kernel 'fast'; the kernels are"),
+    (dict(kernel="mkl", dtype=torch.bfloat16), "kernel 'mkl' does not run on cpu in bfloat16"),
+    (dict(kernel="left", compile=True), "inductor picks the compiled step's kernels"),
+    (dict(dtype=torch.float16), "float16 runs only on CUDA here; on the CPU use bfloat16"),
+    (dict(kernel="mkl", dtype=torch.int8), "kernel 'mkl' does not run on cpu in int8"),
+    (dict(kernel="int8pack"), "kernel 'int8pack' does not run on cpu in float32"),
+    (dict(dtype="int4"), "dtype must be one of"),
+    (dict(dtype=torch.float64), "dtype must be one of"),
+])
+def test_bad_engine_settings_are_refused_in_one_line(engine, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        FastEngine(small(), **engine)
+    assert len(str(refused.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_cli_prints_the_samples_and_one_line_of_timing(dtype, monkeypatch, capsys):
+    status, stdout, err = run_main(fast_engine.main, ["fast_engine.py", "-n", "2", "--tokens", "4", "--dtype", dtype],
+                                   monkeypatch, capsys)
+    assert status == 0, err
+    assert "--- sample 1 (seed 1)" in stdout and "--- sample 2" not in stdout
+    last = stdout.splitlines()[-1]
+    assert last.startswith("prompt 21 tokens, 2 samples x 4 tokens: first token in ") and f" threads, {dtype}" in last
+
+
+def test_the_graph_safe_ring_past_the_window_gives_cached_py_logits_for_600_steps():
+    test_prefill_clone.test_ring_past_the_window_gives_cached_py_logits_for_600_steps(GraphCache, known_pos=False)
+
+
+def test_a_graph_safe_step_past_the_window_attends_exactly_context_keys(monkeypatch):
+    model, feed = small(), prompts(1, 50, SMALL.vocab_size)
+    cache = GraphCache.for_model(model, 1, SMALL.context)
+    with torch.inference_mode():
+        model.step(feed[:, :10], cache, 0)
+        seen = keys_attended(monkeypatch)
+        for t in range(10, 50):
+            model.step(feed[:, t:t + 1], cache, torch.tensor([t]))  # each row's position on the device
+    assert seen[::SMALL.n_layers] == [min(t + 1, SMALL.context) for t in range(10, 50)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_the_grid_in_a_lower_precision_gives_eight_rows_and_greedy_starts_as_float32_does(dtype):
+    model, tokens = load("holmes.pt"), BPE.load("tokenizer.json").encode("Holmes")
+    rows = grid(FastEngine(model, dtype=dtype), tokens, 10, seed=1)
+    assert list(rows) == list(SETTINGS) and all(len(r) == 10 for r in rows.values())
+    assert rows["greedy"][:3] == grid(Engine(model), tokens, 3, seed=1)["greedy"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "float16"], "float16 runs only on CUDA here; on the CPU use bfloat16"),
+    (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+    (["--temperature", "nan"], "temperature must be a finite number, got nan"),
+])
+def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, monkeypatch, capsys):
+    run = run_main(fast_engine.main, ["fast_engine.py", *args], monkeypatch, capsys)
+    assert_refused(run, "fast_engine.py: error: ")
+    assert message in run[2] and run[1] == ""

@@ -64,6 +64,7 @@ from bisect import bisect_left
 from functools import partial
 
 from cli import Parser, atomic_write, check_output, device_from, run_cli
+from errors import BadValue
 
 import torch
 
@@ -312,16 +313,16 @@ def main():
     args = ap.parse_args()
     tables = set(TABLES) if args.all else set(args.tables.split(","))
     if not tables <= set(TABLES):
-        raise ValueError(f"--tables takes numbers 0 to 6 separated by commas, got {args.tables!r}")
+        raise BadValue(f"--tables takes numbers 0 to 6 separated by commas, got {args.tables!r}")
     if args.whole and "0" not in tables:
-        raise ValueError("--whole times table 0's generations whole; add 0 to --tables")
+        raise BadValue("--whole times table 0's generations whole; add 0 to --tables")
     device = device_from(args.device)
     if args.threads is not None:
         if not 1 <= args.threads <= os.cpu_count():
-            raise ValueError(f"THREADS must be in 1..{os.cpu_count()} (this machine's cores), got {args.threads}")
+            raise BadValue(f"THREADS must be in 1..{os.cpu_count()} (this machine's cores), got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.runs < 3:
-        raise ValueError(f"--runs must be at least 3 (figures are medians), got {args.runs}")
+        raise BadValue(f"--runs must be at least 3 (figures are medians), got {args.runs}")
     if args.json is not None:
         check_output(args.json, args.force)
     if tables & set("3456"):  # the speed code's tables, beside the lesson: only now is it loaded
@@ -332,7 +333,7 @@ def main():
     sizes = QUICK if args.quick else FULL
     if args.tokens:
         if min(args.tokens) < 8:
-            raise ValueError(f"--tokens must be at least 8 (the warm-up's length), got {min(args.tokens)}")
+            raise BadValue(f"--tokens must be at least 8 (the warm-up's length), got {min(args.tokens)}")
         sizes = sizes | {"lengths": tuple(args.tokens)}
 
     model = untrained_model(device)

@@ -19,6 +19,7 @@ from collections import Counter
 import regex
 
 from cli import Parser, as_id, atomic_write, check_input, check_output, run_cli, show_progress, shown
+from errors import BadValue
 
 MAX_MERGES = 65536 - 256  # ids must fit uint16, as Part 3's training stores them
 MAX_TOKEN_BYTES = 4096  # far above any real merge list; stops a file that would build gigabyte tokens
@@ -36,7 +37,7 @@ def utf8_bytes(text):
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(
+        raise BadValue(
             f"text cannot be UTF-8 encoded ({e.reason} at index {e.start}); "
             "remove lone surrogates before tokenizing"
         ) from None
@@ -50,7 +51,7 @@ def read_corpus(path, hint=""):
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"corpus {shown(path)} is not UTF-8 ({e.reason} at byte {e.start:,}); "
+        raise BadValue(f"corpus {shown(path)} is not UTF-8 ({e.reason} at byte {e.start:,}); "
                          "convert it to UTF-8 first") from None
 
 
@@ -96,27 +97,27 @@ class BPE:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{shown(path)} is not valid JSON ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
+            raise BadValue(f"{shown(path)} is not valid JSON ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
         except ValueError as e:  # an integer of thousands of digits: past Python's limit for converting one
-            raise ValueError(f"{shown(path)} holds a value JSON cannot be read into ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
+            raise BadValue(f"{shown(path)} holds a value JSON cannot be read into ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
         except RecursionError:
-            raise ValueError(f"{shown(path)} is nested too deeply to be a tokenizer; expected {{\"merges\": [[a, b], ...]}}") from None
+            raise BadValue(f"{shown(path)} is nested too deeply to be a tokenizer; expected {{\"merges\": [[a, b], ...]}}") from None
         if not isinstance(data, dict) or set(data) != {"merges"} or not isinstance(data["merges"], list):
-            raise ValueError(f"{shown(path)} must hold exactly {{\"merges\": [[a, b], ...]}}")
+            raise BadValue(f"{shown(path)} must hold exactly {{\"merges\": [[a, b], ...]}}")
         if len(data["merges"]) > MAX_MERGES:
-            raise ValueError(f"{shown(path)} has {len(data['merges']):,} merges; at most {MAX_MERGES:,} fit uint16 ids")
+            raise BadValue(f"{shown(path)} has {len(data['merges']):,} merges; at most {MAX_MERGES:,} fit uint16 ids")
         lengths = [1] * 256
         for i, m in enumerate(data["merges"]):
             ok = isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m)
             if not ok:
-                raise ValueError(f"{shown(path)}: merge {i} is {m!r}, expected a pair of integer ids")
+                raise BadValue(f"{shown(path)}: merge {i} is {m!r}, expected a pair of integer ids")
             if not all(0 <= x < 256 + i for x in m):
-                raise ValueError(
+                raise BadValue(
                     f"{shown(path)}: merge {i} {m} names an id not yet defined (ids so far are 0..{255 + i})"
                 )
             lengths.append(lengths[m[0]] + lengths[m[1]])
             if lengths[-1] > MAX_TOKEN_BYTES:
-                raise ValueError(f"{shown(path)}: merge {i} builds a token of {lengths[-1]:,} bytes; "
+                raise BadValue(f"{shown(path)}: merge {i} builds a token of {lengths[-1]:,} bytes; "
                                  f"a real tokenizer's tokens are far shorter than {MAX_TOKEN_BYTES:,}")
         return cls(data["merges"])
 
@@ -191,7 +192,7 @@ class BPE:
         far it is on stderr.
         """
         if vocab_size < 256:
-            raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
+            raise BadValue(f"vocab_size must be at least 256, got {vocab_size}")
         chunk_counts = Counter(SPLIT_PATTERN.findall(text))
         chunks = [list(utf8_bytes(c)) for c in chunk_counts]
         weights = list(chunk_counts.values())
@@ -244,24 +245,24 @@ def main():
     ap.add_argument("--force", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
     if not 256 <= args.vocab <= 256 + MAX_MERGES:
-        raise ValueError(f"--vocab must be in 256..{256 + MAX_MERGES}, got {args.vocab}")
+        raise BadValue(f"--vocab must be in 256..{256 + MAX_MERGES}, got {args.vocab}")
     text = read_corpus(args.corpus)
     if not text:
-        raise ValueError(f"corpus {shown(args.corpus)} is empty; give a text to train on")
+        raise BadValue(f"corpus {shown(args.corpus)} is empty; give a text to train on")
     check_output(args.out, args.force, inputs=[args.corpus])
 
     t0 = time.time()
     bpe = BPE.train(text, args.vocab, progress=True)
     t_train = time.time() - t0
     if bpe.vocab_size < args.vocab:
-        raise ValueError(f"corpus {shown(args.corpus)} runs out of pairs after learning {len(bpe.merges):,} of the "
+        raise BadValue(f"corpus {shown(args.corpus)} runs out of pairs after learning {len(bpe.merges):,} of the "
                          f"{args.vocab - 256:,} merges --vocab {args.vocab} needs; pass --vocab {bpe.vocab_size} "
                          "or less, or a bigger corpus")
     t0 = time.time()
     ids = bpe.encode(text)
     t_encode = time.time() - t0
     if bpe.decode(ids) != text:
-        raise ValueError("round trip failed: decode(encode(corpus)) differs from the corpus")
+        raise BadValue("round trip failed: decode(encode(corpus)) differs from the corpus")
     bpe.save(args.out, args.force)
     n_bytes = len(text.encode("utf-8"))
     print(f"trained {bpe.vocab_size:,} tokens in {t_train:.1f}s; wrote {args.out}")

@@ -26,8 +26,9 @@ reproduce the two bugs and report after how many of 100 tokens each drifts.
 import sys
 import time
 
-# before torch: cli.startup_failure makes a failing import one line
+# first: cli.check_start says in one line what would stop torch from starting
 from cli import Parser, check_count, run_cli, with_progress
+from errors import BadValue
 
 import torch
 
@@ -47,7 +48,7 @@ class LayerCache:
         if self.k is None:
             return k, v
         if k.shape[2] > 1:
-            raise ValueError("after the prompt pass, feed one token per step")
+            raise BadValue("after the prompt pass, feed one token per step")
         return torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
 
     def update(self, k, v, start):
@@ -230,7 +231,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     if args.broken not in (None, *GOTCHAS):
-        raise ValueError(f"--break must be one of {sorted(GOTCHAS)}, got {args.broken!r}")
+        raise BadValue(f"--break must be one of {sorted(GOTCHAS)}, got {args.broken!r}")
     check_count("--tokens", args.tokens)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     prompt = prompt_ids(tokenizer, args.prompt, model)

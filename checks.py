@@ -17,6 +17,7 @@ import torch
 
 from bpe import BPE, utf8_bytes
 from cli import as_id, atomic_write, check_count, check_fits, check_input, device_from, shown
+from errors import BadValue
 from model import GPT, Config, in_training
 
 
@@ -31,26 +32,26 @@ def check_knobs(temperature=1.0, top_k=0, top_p=1.0, penalty=1.0):
     """sampling.pick's four knobs, before the first token."""
     for name, value in (("temperature", temperature), ("top_p", top_p), ("penalty", penalty)):
         if type(value) not in (int, float) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
+            raise BadValue(f"{name} must be a finite number, got {value!r}")
     if not (temperature == 0 or temperature >= MIN_TEMPERATURE):
-        raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}")
+        raise BadValue(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}")
     if type(top_k) is not int or top_k < 0:
-        raise ValueError(f"top_k must be a whole number >= 0 (0 means off), got {top_k!r}")
+        raise BadValue(f"top_k must be a whole number >= 0 (0 means off), got {top_k!r}")
     if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1 means off), got {top_p}")
+        raise BadValue(f"top_p must be in (0, 1] (1 means off), got {top_p}")
     if not PENALTY_RANGE[0] <= penalty <= PENALTY_RANGE[1]:
-        raise ValueError(f"penalty must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}] (1 means off), got {penalty}")
+        raise BadValue(f"penalty must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}] (1 means off), got {penalty}")
 
 
 def check_history(logits, history):
     """history as a (B or 1, T) tensor of ids the logits' vocabulary has; returns it as pick takes it (int64)."""
     history = torch.as_tensor(history, device=logits.device)
     if history.dim() != 2 or history.shape[0] not in (1, logits.shape[0]) or history.dtype not in ID_DTYPES:
-        raise ValueError(f"history must be integer ids (int64 or int32) shaped (1, T) or ({logits.shape[0]}, T) "
+        raise BadValue(f"history must be integer ids (int64 or int32) shaped (1, T) or ({logits.shape[0]}, T) "
                          f"for {logits.shape[0]} rows, got {history.dtype} {tuple(history.shape)}")
     vocab = logits.shape[-1]
     if history.numel() and (history.min() < 0 or history.max() >= vocab):
-        raise ValueError(f"history holds ids outside the vocabulary 0..{vocab - 1}")
+        raise BadValue(f"history holds ids outside the vocabulary 0..{vocab - 1}")
     return history.long()
 
 
@@ -60,14 +61,14 @@ def check_pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history
     check_knobs(temperature, top_k, top_p, penalty)
     if not (isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.is_floating_point()
             and logits.shape[0] > 0 and logits.shape[1] > 0):
-        raise ValueError(f"logits must be a float tensor (B, vocab), got {getattr(logits, 'shape', type(logits))}")
+        raise BadValue(f"logits must be a float tensor (B, vocab), got {getattr(logits, 'shape', type(logits))}")
     if not torch.isfinite(logits).all():
-        raise ValueError("logits hold NaN or infinite scores; no token can be chosen honestly from them")
+        raise BadValue("logits hold NaN or infinite scores; no token can be chosen honestly from them")
     drawn_with = generator if isinstance(generator, list) else [] if generator is None else [generator]
     if not all(isinstance(g, torch.Generator) for g in drawn_with):
-        raise ValueError(f"generator must be a torch.Generator or a list of one per row, got {generator!r:.60}")
+        raise BadValue(f"generator must be a torch.Generator or a list of one per row, got {generator!r:.60}")
     if isinstance(generator, list) and len(generator) != logits.shape[0]:
-        raise ValueError(f"generator is a list of {len(generator)}, but the logits have {logits.shape[0]} rows; "
+        raise BadValue(f"generator is a list of {len(generator)}, but the logits have {logits.shape[0]} rows; "
                          "give one generator, or one per row")
     return None if history is None else check_history(logits, history)
 
@@ -88,11 +89,11 @@ def check_archive(path):
     with archive:
         packed = next((i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
         if packed:
-            raise ValueError(f"{shown(path)}: entry {packed!r} is compressed, which torch.save never does; "
+            raise BadValue(f"{shown(path)}: entry {packed!r} is compressed, which torch.save never does; "
                              "this file was not written by torch.save")
         damaged = archive.testzip()
     if damaged:
-        raise ValueError(f"{shown(path)} is damaged: entry {damaged!r} fails its checksum; copy or download it again")
+        raise BadValue(f"{shown(path)} is damaged: entry {damaged!r} fails its checksum; copy or download it again")
 
 
 def read_checkpoint(path):
@@ -106,16 +107,16 @@ def read_checkpoint(path):
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         if "Weights only load failed" in str(e):
-            raise ValueError(f"{shown(path)} is not a plain-tensor checkpoint: it is not a torch.save file, or it holds "
+            raise BadValue(f"{shown(path)} is not a plain-tensor checkpoint: it is not a torch.save file, or it holds "
                              "code or objects that are not plain tensors and must not be loaded") from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{shown(path)} is not a loadable checkpoint ({first_line})") from None
+        raise BadValue(f"{shown(path)} is not a loadable checkpoint ({first_line})") from None
     if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict) and isinstance(ckpt.get("config"), dict)):
-        raise ValueError(f"{shown(path)} is not a Part 3 checkpoint: expected a dict with 'model' (state dict) and 'config'")
+        raise BadValue(f"{shown(path)} is not a Part 3 checkpoint: expected a dict with 'model' (state dict) and 'config'")
     for part in ("model", "config"):
         odd = next((k for k in ckpt[part] if not isinstance(k, str)), None)
         if odd is not None:
-            raise ValueError(f"{shown(path)}: its {part} dict has a key {odd!r} that is not a name; "
+            raise BadValue(f"{shown(path)}: its {part} dict has a key {odd!r} that is not a name; "
                              "is this a Part 3 checkpoint?")
     return ckpt
 
@@ -140,16 +141,16 @@ def check_config(cfg):
     sizes = {f: getattr(cfg, f) for f in ("vocab_size", "d_model", "n_heads", "n_layers", "context", "n_kv_heads")}
     bad = next((f for f, v in sizes.items() if type(v) is not int or v < 1), None)
     if bad:
-        raise ValueError(f"config {bad} is {sizes[bad]!r}; expected a whole number >= 1")
+        raise BadValue(f"config {bad} is {sizes[bad]!r}; expected a whole number >= 1")
     if type(cfg.dropout) not in (int, float) or not 0 <= cfg.dropout < 1:
-        raise ValueError(f"config dropout is {cfg.dropout!r}; expected a number in [0, 1)")
+        raise BadValue(f"config dropout is {cfg.dropout!r}; expected a number in [0, 1)")
     if cfg.d_model % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
-        raise ValueError(f"d_model ({cfg.d_model}) must divide by n_heads ({cfg.n_heads}) "
+        raise BadValue(f"d_model ({cfg.d_model}) must divide by n_heads ({cfg.n_heads}) "
                          f"and n_heads by n_kv_heads ({cfg.n_kv_heads})")
     if cfg.head_dim % 2:
-        raise ValueError(f"head_dim d_model / n_heads = {cfg.head_dim} is odd; RoPE turns channel pairs")
+        raise BadValue(f"head_dim d_model / n_heads = {cfg.head_dim} is odd; RoPE turns channel pairs")
     if cfg.context > MAX_CONTEXT:
-        raise ValueError(f"config context is {cfg.context:,}; RoPE's positions are float32, exact only up to "
+        raise BadValue(f"config context is {cfg.context:,}; RoPE's positions are float32, exact only up to "
                          f"{MAX_CONTEXT:,} (2**24)")
     return cfg
 
@@ -161,17 +162,17 @@ def config_from(d, path="checkpoint"):
     known = [f.name for f in fields(Config)]
     unknown = sorted(set(d) - set(known))
     if unknown:
-        raise ValueError(f"{shown(path)}: unknown config field {unknown[0]!r}; known fields are {known}")
+        raise BadValue(f"{shown(path)}: unknown config field {unknown[0]!r}; known fields are {known}")
     missing = [f for f in SHAPE_FIELDS if f not in d]
     if missing:
-        raise ValueError(f"{shown(path)}: its config lacks {missing[0]!r}; a checkpoint's config holds every field that "
+        raise BadValue(f"{shown(path)}: its config lacks {missing[0]!r}; a checkpoint's config holds every field that "
                          f"shapes the model, {list(SHAPE_FIELDS)} (dropout, and n_kv_heads, may be left to their defaults)")
     if "n_kv_heads" in d and d["n_kv_heads"] in (0, False):
-        raise ValueError(f"{shown(path)}: config n_kv_heads is {d['n_kv_heads']!r}; expected a whole number >= 1")
+        raise BadValue(f"{shown(path)}: config n_kv_heads is {d['n_kv_heads']!r}; expected a whole number >= 1")
     try:
         cfg = check_config(Config(**d))
     except (ValueError, TypeError, ZeroDivisionError) as e:
-        raise ValueError(f"{shown(path)}: {e}") from None
+        raise BadValue(f"{shown(path)}: {e}") from None
     check_fits(4 * parameter_count(cfg) + MODULE_BYTES * cfg.n_layers,
                f"{shown(path)}: the model its config describes ({cfg.n_layers} layers of width {cfg.d_model}, "
                f"vocabulary {cfg.vocab_size})", "cpu")
@@ -183,24 +184,24 @@ def check_state_dict(given, expected, path):
     for key, want in expected.items():
         got = given.get(key)
         if got is None:
-            raise ValueError(f"{shown(path)}: weight {key!r} is missing; is this a Part 3 checkpoint?")
+            raise BadValue(f"{shown(path)}: weight {key!r} is missing; is this a Part 3 checkpoint?")
         if not isinstance(got, torch.Tensor):
-            raise ValueError(f"{shown(path)}: weight {key!r} is a {type(got).__name__}, not a tensor")
+            raise BadValue(f"{shown(path)}: weight {key!r} is a {type(got).__name__}, not a tensor")
         if got.layout != torch.strided or got.is_meta:
-            raise ValueError(f"{shown(path)}: weight {key!r} is a {got.layout} {got.device.type} tensor; "
+            raise BadValue(f"{shown(path)}: weight {key!r} is a {got.layout} {got.device.type} tensor; "
                              "a checkpoint holds dense tensors with values")
         if tuple(got.shape) != tuple(want.shape):
-            raise ValueError(f"{shown(path)}: weight {key!r} has shape {tuple(got.shape)} "
+            raise BadValue(f"{shown(path)}: weight {key!r} has shape {tuple(got.shape)} "
                              f"but the config needs {tuple(want.shape)}")
         if not got.is_floating_point() or not torch.isfinite(got).all():
-            raise ValueError(f"{shown(path)}: weight {key!r} holds NaN, infinite or non-float values; "
+            raise BadValue(f"{shown(path)}: weight {key!r} holds NaN, infinite or non-float values; "
                              "this checkpoint cannot give meaningful output")
     extra = sorted(set(given) - set(expected))
     if extra:
-        raise ValueError(f"{shown(path)}: unexpected weight {extra[0]!r}; is this a Part 3 checkpoint?")
+        raise BadValue(f"{shown(path)}: unexpected weight {extra[0]!r}; is this a Part 3 checkpoint?")
     if not torch.equal(given["head.weight"], given["emb.weight"]):
         # the model ties the two: loading would keep one and silently drop the other
-        raise ValueError(f"{shown(path)}: head.weight differs from emb.weight, but Part 3's model ties them (one matrix); "
+        raise BadValue(f"{shown(path)}: head.weight differs from emb.weight, but Part 3's model ties them (one matrix); "
                          "this checkpoint is of another model")
 
 
@@ -244,14 +245,14 @@ def tokenizer_for(model, checkpoint, tokenizer_path):
     checkpoint that records none (Part 3's), if its vocabulary differs in size."""
     tokenizer = BPE.load(tokenizer_path)
     if tokenizer.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"{shown(tokenizer_path)} has {tokenizer.vocab_size} tokens but {shown(checkpoint)} a vocabulary of "
+        raise BadValue(f"{shown(tokenizer_path)} has {tokenizer.vocab_size} tokens but {shown(checkpoint)} a vocabulary of "
                          f"{model.cfg.vocab_size}; give the tokenizer this checkpoint was trained with (--tokenizer)")
     trained_with = model.trained_with
     if trained_with is None:
         print(f"note: {shown(checkpoint)} does not record its tokenizer; assuming {shown(tokenizer_path)} (--tokenizer)",
               file=sys.stderr)
     elif not isinstance(trained_with, dict) or trained_with.get("sha256") != tokenizer.record()["sha256"]:
-        raise ValueError(f"{shown(tokenizer_path)} is not the tokenizer {shown(checkpoint)} was trained with (their merges differ); "
+        raise BadValue(f"{shown(tokenizer_path)} is not the tokenizer {shown(checkpoint)} was trained with (their merges differ); "
                          "give the right one with --tokenizer")
     return tokenizer
 
@@ -260,7 +261,7 @@ def prompt_ids(tokenizer, text, model):
     """The prompt's ids (1, T) on the model's device."""
     ids = tokenizer.encode(text)
     if not ids:
-        raise ValueError("the prompt is empty; give at least one character")
+        raise BadValue("the prompt is empty; give at least one character")
     return torch.tensor([ids], device=model.emb.weight.device)
 
 
@@ -295,11 +296,11 @@ def check_kept_tokens(rows, n_tokens, device):
 def check_sample_flags(n, seed, tokens):
     """prefill_clone.py's -n, --seed and --tokens, before any checkpoint is read."""
     if n < 1:
-        raise ValueError(f"-n must be at least 1, got {n}")
+        raise BadValue(f"-n must be at least 1, got {n}")
     if not 0 <= seed < 2**64 - n:
-        raise ValueError(f"--seed must be in 0..{2**64 - 1 - n} (row i uses seed + i), got {seed}")
+        raise BadValue(f"--seed must be in 0..{2**64 - 1 - n} (row i uses seed + i), got {seed}")
     if tokens < 1:
-        raise ValueError(f"--tokens must be at least 1, got {tokens}")
+        raise BadValue(f"--tokens must be at least 1, got {tokens}")
 
 
 def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, knobs):
@@ -307,21 +308,21 @@ def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, k
     texts, forced ids), or a one-line error naming the first that is wrong."""
     model = engine.model
     if not callable(getattr(model, "step", None)):  # a plain GPT has no cached step: it would fail at the first token
-        raise ValueError(f"the Engine needs a CachedGPT (cached.load gives one), got a {type(model).__name__}")
+        raise BadValue(f"the Engine needs a CachedGPT (cached.load gives one), got a {type(model).__name__}")
     vocab = model.cfg.vocab_size
     if in_training(model):  # one block left in training mode is enough for dropout
-        raise ValueError("the model is in training mode, where dropout changes every token; call model.eval() first")
+        raise BadValue("the model is in training mode, where dropout changes every token; call model.eval() first")
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
-        raise ValueError("the prompt must be a non-empty list of token ids")
+        raise BadValue("the prompt must be a non-empty list of token ids")
     tokens = [as_id(t, "prompt token", vocab) for t in tokens]
     if len(tokens) > model.cfg.context:
-        raise ValueError(f"a prompt of {len(tokens)} tokens is longer than the cache (context "
+        raise BadValue(f"a prompt of {len(tokens)} tokens is longer than the cache (context "
                          f"{model.cfg.context}); trim it")
     num_samples = as_id(num_samples, "num_samples", 2**63, "the counts")
     if num_samples < 1:
-        raise ValueError(f"num_samples must be a whole number >= 1, got {num_samples}")
+        raise BadValue(f"num_samples must be a whole number >= 1, got {num_samples}")
     if max_tokens is None:
-        raise ValueError("give max_tokens: without a bound, a row that never meets a stop would generate forever")
+        raise BadValue("give max_tokens: without a bound, a row that never meets a stop would generate forever")
     check_count("max_tokens", max_tokens)
     check_cache(model, num_samples, engine.cache_len(len(tokens), max_tokens))
     check_kept_tokens(num_samples, len(tokens) + max_tokens, model.emb.weight.device)
@@ -331,25 +332,25 @@ def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, k
         seeds = [as_id(seed, "seed", 2**64 - num_samples + 1, "the seeds") + i for i in range(num_samples)]
     settings = knobs.pop("settings", None)
     if settings is not None and knobs:
-        raise ValueError(f"give the knobs either shared ({sorted(knobs)}) or per row in settings, not both")
+        raise BadValue(f"give the knobs either shared ({sorted(knobs)}) or per row in settings, not both")
     settings = [knobs] * num_samples if settings is None else list(settings)
     for name, got in (("seed", seeds), ("settings", settings)):
         if len(got) != num_samples:
-            raise ValueError(f"{name} is a list of {len(got)}, but num_samples is {num_samples}")
+            raise BadValue(f"{name} is a list of {len(got)}, but num_samples is {num_samples}")
     for s in settings:
         unknown = sorted(set(s) - set(KNOBS)) if isinstance(s, dict) else ["settings must be dicts"]
         if unknown:
-            raise ValueError(f"unknown sampling knob {unknown[0]!r}; the knobs are {KNOBS}")
+            raise BadValue(f"unknown sampling knob {unknown[0]!r}; the knobs are {KNOBS}")
         check_knobs(**s)
     stops = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
     texts = [utf8_bytes(s) for s in stops if isinstance(s, str)]
     ids = {as_id(s, "stop token id", vocab) for s in stops if not isinstance(s, str)}
     if texts and engine.tokenizer is None:
-        raise ValueError("stop strings need Engine(model, tokenizer)")
+        raise BadValue("stop strings need Engine(model, tokenizer)")
     if b"" in texts:
-        raise ValueError("a stop string is empty; it would end every row at once")
+        raise BadValue("a stop string is empty; it would end every row at once")
     forced = [[]] * num_samples if forced is None else list(forced)
     if len(forced) != num_samples or not all(isinstance(f, (list, tuple)) for f in forced):
-        raise ValueError(f"forced must be one list of ids per row ({num_samples} lists), got {forced!r:.60}")
+        raise BadValue(f"forced must be one list of ids per row ({num_samples} lists), got {forced!r:.60}")
     forced = [[as_id(t, f"forced token for row {i}:", vocab) for t in f] for i, f in enumerate(forced)]
     return tokens, seeds, settings, ids, texts, forced

@@ -7,8 +7,8 @@ and long work shows how far it is without flooding a log.
 """
 import argparse
 import errno
+import importlib.util
 import io
-import linecache
 import operator
 import os
 import signal
@@ -18,43 +18,43 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-
-def startup_failure(kind, error, trace):
-    """Until run_cli starts a script's main, what a top-level import raises is one line and exit status 1.
-
-    Set before torch is imported, so a TORCH_LOGS torch does not know, or an import that fails under a
-    memory limit, names its cause; an abort inside torch's C++ (std::bad_alloc) never reaches Python.
-    """
-    if not failed_importing(trace):  # anything else, in this repo's scripts or a program importing cli, as usual
-        return sys.__excepthook__(kind, error, trace)
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-    if issubclass(kind, KeyboardInterrupt):
-        reason = "interrupted while starting"
-    elif "TORCH_LOGS" in str(error):
-        reason = (f"TORCH_LOGS={os.environ.get('TORCH_LOGS', '')!r} is not a setting torch knows; "
-                  "unset it, or see TORCH_LOGS=help")
-    elif issubclass(kind, ImportError):
-        reason = f"cannot import {error.name or 'a module'} ({first_line(error)}); pip install -r requirements.txt"
-    else:
-        reason = f"cannot start: {kind.__name__}: {first_line(error)}"
-    print(f"{name}: error: {reason}", file=sys.stderr)
-
-
-def failed_importing(trace):
-    """Whether the error left the main script at one of its top-level import lines."""
-    if trace is None or trace.tb_frame.f_code.co_name != "<module>":
-        return False
-    line = linecache.getline(trace.tb_frame.f_code.co_filename, trace.tb_lineno).lstrip()
-    return line.startswith(("import ", "from "))
+from errors import Appeared, BadInput, BadPath, BadValue, NotFound
 
 
 def first_line(error):
     return next((line.strip() for line in str(error).splitlines() if line.strip()), "no reason given")
 
 
-sys.excepthook = startup_failure
+def refuse_to_start(reason):
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    sys.exit(f"{name}: error: {reason}")
 
-import torch  # noqa: E402  after the hook, so that its failure is one line
+
+def check_start():
+    """What would stop a script before its main, said in one line: a working folder that is gone, standard
+    output closed, a package of requirements.txt that is missing, a TORCH_LOGS torch does not know. Run once, by importing this module,
+    which every script does before torch (and before any module of this repo, each of which may import it)."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        refuse_to_start("the working folder no longer exists; cd into one that does and run again")
+    if sys.stdout is None:  # started with standard output closed (>&-): every print would vanish
+        refuse_to_start("cannot write to standard output: it is closed; give it a place (> FILE, or a terminal)")
+    for module in ("torch", "regex", "numpy"):
+        if importlib.util.find_spec(module) is None:
+            refuse_to_start(f"cannot import {module}; pip install -r requirements.txt")
+    try:
+        import torch  # noqa: F401  here, so that its refusal of a setting is one line
+    except ValueError as e:
+        if "TORCH_LOGS" not in str(e):
+            raise
+        refuse_to_start(f"TORCH_LOGS={os.environ.get('TORCH_LOGS', '')!r} is not a setting torch knows; "
+                        "unset it, or see TORCH_LOGS=help")
+
+
+check_start()
+
+import torch  # noqa: E402  checked by check_start
 
 
 class Parser(argparse.ArgumentParser):
@@ -96,14 +96,14 @@ class WatchedStdout:
 
 
 def run_cli(main):
-    """Run a script's main; bad input becomes one line on stderr and exit status 1.
+    """Run a script's main; bad input (a BadInput) becomes one line on stderr and exit status 1, and any
+    other exception, a bug, keeps its traceback.
 
     SIGTERM is turned into KeyboardInterrupt, so a killed run unwinds like Ctrl-C: every
     atomic_write in progress removes its temporary file on the way out. Standard output is
     flushed before the end (stdout_failed says how a failed write to it ends).
     """
     name = os.path.basename(sys.argv[0])
-    sys.excepthook = sys.__excepthook__  # started: from here a bug is a traceback, and bad input is caught below
     signal.signal(signal.SIGTERM, interrupted)
     stdout = sys.stdout = WatchedStdout(sys.stdout)
     try:
@@ -116,10 +116,12 @@ def run_cli(main):
     except KeyboardInterrupt:
         print(file=sys.stderr)
         sys.exit(f"{name}: interrupted; nothing half-written was left behind")
-    except (ValueError, OSError) as e:
-        if e is stdout.failed:
-            stdout_failed(name, e)
+    except BadInput as e:
         sys.exit(f"{name}: error: {e}")
+    except OSError as e:
+        if e is not stdout.failed:
+            raise
+        stdout_failed(name, e)
     except (MemoryError, RuntimeError) as e:
         # under a process memory limit torch's allocator raises RuntimeError, not MemoryError
         if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("allocate", "out of memory")):
@@ -161,7 +163,7 @@ def add_speed_flags(ap):
 
 def check_count(name, n):
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"{name} must be a whole number >= 0, got {n!r}")
+        raise BadValue(f"{name} must be a whole number >= 0, got {n!r}")
 
 
 def as_id(token, what, limit, within="the vocabulary"):
@@ -171,9 +173,9 @@ def as_id(token, what, limit, within="the vocabulary"):
             raise TypeError
         token = operator.index(token)
     except TypeError:
-        raise ValueError(f"{what} {token!r} is not an integer id") from None
+        raise BadValue(f"{what} {token!r} is not an integer id") from None
     if not 0 <= token < limit:
-        raise ValueError(f"{what} {token!r} is outside {within} 0..{limit - 1}")
+        raise BadValue(f"{what} {token!r} is outside {within} 0..{limit - 1}")
     return token
 
 
@@ -183,11 +185,11 @@ def device_from(name):
         return torch.device("cpu")
     if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU here; use 'cpu'")
+            raise BadValue(f"device {name!r} asked for, but torch sees no CUDA GPU here; use 'cpu'")
         if torch.device(name).index is not None and torch.device(name).index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
+            raise BadValue(f"device {name!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
         return torch.device(name)
-    raise ValueError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
+    raise BadValue(f"unknown device {name!r}; use 'cpu' or 'cuda'")
 
 
 def free_memory(device):
@@ -212,7 +214,7 @@ def check_fits(nbytes, what, device):
     have = free_memory(device)
     if have is not None and nbytes > have // 2:
         kind = "GPU memory" if torch.device(device).type == "cuda" else "memory"
-        raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than half of this machine's "
+        raise BadValue(f"{what} needs {nbytes / 2**30:.1f} GiB, more than half of this machine's "
                          f"{have / 2**30:.1f} GiB of available {kind}; ask for fewer rows or tokens")
 
 
@@ -220,17 +222,17 @@ def check_input(path, what, max_bytes, hint=""):
     """A path to read: an existing regular file of at most max_bytes, never a FIFO or a device that
     would block or never end. Returns its size."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise ValueError(f"{what}: give a file path, got {path!r}")
+        raise BadValue(f"{what}: give a file path, got {path!r}")
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {shown(path)} not found{'; ' + hint if hint else ''}") from None
+        raise NotFound(f"{what} {shown(path)} not found{'; ' + hint if hint else ''}") from None
     if stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"{what} {shown(path)} is a folder; give a file")
+        raise BadValue(f"{what} {shown(path)} is a folder; give a file")
     if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"{what} {shown(path)} is not a regular file (a pipe or a device?); give a file")
+        raise BadValue(f"{what} {shown(path)} is not a regular file (a pipe or a device?); give a file")
     if info.st_size > max_bytes:
-        raise ValueError(f"{what} {shown(path)} is {info.st_size / 2**20:,.0f} MiB, more than the "
+        raise BadValue(f"{what} {shown(path)} is {info.st_size / 2**20:,.0f} MiB, more than the "
                          f"{max_bytes / 2**20:,.0f} MiB such a file can sensibly be")
     return info.st_size
 
@@ -249,14 +251,14 @@ def check_replaceable(path):
     except FileNotFoundError:
         return
     except NotADirectoryError:  # a file, a pipe or a link to one where the path needs a folder
-        raise ValueError(f"cannot write {shown(path)}: {shown(os.path.dirname(path))} is not a folder; "
+        raise BadValue(f"cannot write {shown(path)}: {shown(os.path.dirname(path))} is not a folder; "
                          "give a path in a folder") from None
     except OSError as e:  # a name longer than the filesystem holds, a loop of links
-        raise OSError(f"cannot write {shown(path)}: {e.strerror}; give another name") from None
+        raise BadPath(f"cannot write {shown(path)}: {e.strerror}; give another name") from None
     if stat.S_ISDIR(mode):
-        raise ValueError(f"cannot write {shown(path)}: it is a folder; give a file name")
+        raise BadValue(f"cannot write {shown(path)}: it is a folder; give a file name")
     if not stat.S_ISREG(mode):
-        raise ValueError(f"cannot write {shown(path)}: it is not a regular file (a device, a pipe or a link to "
+        raise BadValue(f"cannot write {shown(path)}: it is not a regular file (a device, a pipe or a link to "
                          "one), and only files are ever replaced; give a file path")
 
 
@@ -270,24 +272,24 @@ def check_output(path, force=False, flag="--force", inputs=()):
     """
     path = os.fspath(path)
     if not path:
-        raise ValueError("the output path is empty; give a file name")
+        raise BadValue("the output path is empty; give a file name")
     check_replaceable(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ValueError(f"cannot write {shown(path)}: the folder {shown(folder)} does not exist")
+        raise BadValue(f"cannot write {shown(path)}: the folder {shown(folder)} does not exist")
     for given in inputs:
         if os.path.exists(path) and os.path.exists(given) and os.path.samefile(given, path):
-            raise ValueError(f"cannot write {shown(path)}: it is {shown(given)}, which this run reads; "
+            raise BadValue(f"cannot write {shown(path)}: it is {shown(given)}, which this run reads; "
                              "give another name")
     if os.path.lexists(path) and not force:
-        raise ValueError(f"{shown(path)} already exists; pass {flag} to replace it")
+        raise BadValue(f"{shown(path)} already exists; pass {flag} to replace it")
     try:
         fd, probe = temporary_beside(path)  # the very file atomic_write will make first
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
         why = "is not writable" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "holds no new file"
-        raise OSError(f"cannot write {shown(path)}: the folder {shown(folder)} {why} ({e.strerror})") from None
+        raise BadPath(f"cannot write {shown(path)}: the folder {shown(folder)} {why} ({e.strerror})") from None
     return path
 
 
@@ -316,14 +318,14 @@ def place(done, path, force):
     try:
         os.link(done, path, follow_symlinks=False)
     except FileExistsError:
-        raise FileExistsError(appeared(path)) from None
+        raise Appeared(appeared(path)) from None
     except OSError as e:
         if e.errno not in NO_HARD_LINKS:
             raise
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         except FileExistsError:
-            raise FileExistsError(appeared(path)) from None
+            raise Appeared(appeared(path)) from None
         try:
             os.replace(done, path)
         except BaseException:
@@ -388,7 +390,7 @@ def atomic_write(path, mode="wb", force=False, **open_args):
             failed = raw.failed or (e if isinstance(e, OSError) else None)
             if failed is None:
                 raise
-            raise OSError(f"cannot write {shown(path)}: {failed.strerror or failed}; "
+            raise BadPath(f"cannot write {shown(path)}: {failed.strerror or failed}; "
                           "nothing was written there") from None
         umask = os.umask(0)
         os.umask(umask)

@@ -17,6 +17,8 @@ import math
 import sys
 from dataclasses import dataclass
 
+from errors import BadValue
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -120,7 +122,7 @@ def in_training(model):
 def check_finite(logits, n):
     """Stop at the step whose scores are NaN or infinite: no token can be chosen honestly from them."""
     if not torch.isfinite(logits.abs().amax()):  # one reduction: NaN and infinity both survive abs().amax()
-        raise ValueError(f"the model's scores for new token {n} are NaN or infinite (its weights overflow); "
+        raise BadValue(f"the model's scores for new token {n} are NaN or infinite (its weights overflow); "
                          "no token can be chosen from them")
     return logits
 
@@ -150,7 +152,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         if idx.shape[1] > self.cfg.context:
-            raise ValueError(f"{idx.shape[1]} tokens exceed the context of {self.cfg.context}; crop the input")
+            raise BadValue(f"{idx.shape[1]} tokens exceed the context of {self.cfg.context}; crop the input")
         x = self.emb(idx)
         for block in self.blocks:
             x = block(x)

@@ -21,8 +21,9 @@ import operator
 from collections import deque
 from dataclasses import dataclass, field
 
-# before torch: cli.startup_failure makes a failing import one line
+# first: cli.check_start says in one line what would stop torch from starting
 from cli import Parser, as_id, run_cli
+from errors import BadValue
 
 import torch
 
@@ -191,7 +192,7 @@ class Engine:
     @torch.inference_mode()
     def _run(self, rows, generators, settings, stops_at, max_tokens):
         if self.busy:
-            raise ValueError("this Engine is already generating; finish or close that generator, or use another Engine")
+            raise BadValue("this Engine is already generating; finish or close that generator, or use another Engine")
         self.busy, self.rows = True, rows
         try:
             if max_tokens == 0:

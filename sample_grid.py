@@ -12,6 +12,7 @@ same compiled, and may part from float32's in bfloat16 or int8. Compiling
 comes first, and its time is printed last.
 """
 from cli import Parser, add_speed_flags, check_count, run_cli, with_progress
+from errors import BadValue
 
 from cached import load_pair
 from checks import prompt_ids
@@ -50,7 +51,7 @@ def main():
     args = ap.parse_args()
     check_count("--tokens", args.tokens)
     if not 0 <= args.seed < 2**64:
-        raise ValueError(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
+        raise BadValue(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
     fast = args.compile or args.dtype != "float32"
     if fast:  # the speed the flags ask for, from beside the lesson
         from engines.fast_engine import FastEngine, speed_flags

@@ -18,8 +18,9 @@ import os
 import sys
 import time
 
-# before torch: cli.startup_failure makes a failing import one line
+# first: cli.check_start says in one line what would stop torch from starting
 from cli import Parser, atomic_write, check_input, check_output, device_from, run_cli, show_progress, shown
+from errors import BadPath, BadValue
 
 import numpy as np
 import torch
@@ -56,11 +57,11 @@ def cache_path(corpus_sha, tokenizer_sha):
     if os.path.isfile(path):
         return path
     if os.path.lexists(CACHE_DIR) and not os.path.isdir(CACHE_DIR):
-        raise ValueError(f"{CACHE_DIR} is not a folder, but train.py caches token ids in {CACHE_DIR}/; move it away")
+        raise BadValue(f"{CACHE_DIR} is not a folder, but train.py caches token ids in {CACHE_DIR}/; move it away")
     try:
         os.makedirs(CACHE_DIR, exist_ok=True)
     except OSError as e:
-        raise OSError(f"cannot create the id cache folder {CACHE_DIR}/ ({e.strerror}); "
+        raise BadPath(f"cannot create the id cache folder {CACHE_DIR}/ ({e.strerror}); "
                       "run train.py in a folder it may write") from None
     return check_output(path, force=True)
 
@@ -84,12 +85,12 @@ def read_ids(cache, vocab_size):
     try:
         ids = np.load(cache, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
-        raise ValueError(f"the token id cache {shown(cache)} cannot be read ({e}); {way_on}") from None
+        raise BadValue(f"the token id cache {shown(cache)} cannot be read ({e}); {way_on}") from None
     if ids.dtype != np.uint16 or ids.ndim != 1:
-        raise ValueError(f"the token id cache {shown(cache)} holds {ids.dtype} of shape {ids.shape}, not a row "
+        raise BadValue(f"the token id cache {shown(cache)} holds {ids.dtype} of shape {ids.shape}, not a row "
                          f"of uint16 ids; {way_on}")
     if len(ids) and int(ids.max()) >= vocab_size:
-        raise ValueError(f"the token id cache {shown(cache)} holds id {int(ids.max())}, outside the tokenizer's "
+        raise BadValue(f"the token id cache {shown(cache)} holds id {int(ids.max())}, outside the tokenizer's "
                          f"0..{vocab_size - 1}; {way_on}")
     return ids
 
@@ -140,28 +141,28 @@ def read_resume(name, device):
         instead = "start without --resume"
         if os.path.lexists(f"{name}.pt"):
             instead = f"to train again, pass --force instead of --resume to replace {name}.pt, or --out NAME"
-        raise ValueError(f"--resume: there is no cut-short run to go on from ({shown(path)} not found; a run that "
+        raise BadValue(f"--resume: there is no cut-short run to go on from ({shown(path)} not found; a run that "
                          f"finishes removes it); {instead}")
     for p in (path, log):
         check_input(p, "--resume:", MAX_RESUME_BYTES, "start without --resume")
     try:
         check_archive(path)  # its checksums, and no compressed entry that could inflate to any size
     except ValueError as e:
-        raise ValueError(f"--resume: {e}; start again without --resume") from None
+        raise BadValue(f"--resume: {e}; start again without --resume") from None
     try:
         state = torch.load(path, map_location=device, weights_only=True)
         with open(log, newline="") as f:
             rows = list(csv.reader(f))[1:]
     except Exception as e:
-        raise ValueError(f"--resume: {shown(path)} or its CSV log cannot be read ({type(e).__name__}); "
+        raise BadValue(f"--resume: {shown(path)} or its CSV log cannot be read ({type(e).__name__}); "
                          "start again without --resume") from None
     missing = [k for k in RESUME_KINDS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise ValueError(f"--resume: {shown(path)} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
+        raise BadValue(f"--resume: {shown(path)} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
                          "start again without --resume")
     check_resume_values(state, path)
     if not all(row and row[0].isdigit() for row in rows):
-        raise ValueError(f"--resume: {log} has a row that does not start with a step; start again without --resume")
+        raise BadValue(f"--resume: {log} has a row that does not start with a step; start again without --resume")
     return state, [row for row in rows if int(row[0]) <= state["step"]]
 
 
@@ -169,7 +170,7 @@ def check_resume_values(state, path):
     """Each value a resume file holds is of the kind train.py wrote, named where it is not."""
     for key, (kind, ok) in RESUME_KINDS.items():
         if not ok(state[key]):
-            raise ValueError(f"--resume: {shown(path)} holds {key!r} = {repr(state[key])[:40]}, not {kind}; "
+            raise BadValue(f"--resume: {shown(path)} holds {key!r} = {repr(state[key])[:40]}, not {kind}; "
                              "start again without --resume")
 
 
@@ -180,7 +181,7 @@ def check_outputs(name, force, resume, inputs):
     existing = next((path for path in paths if os.path.lexists(path)), None)
     if existing and not (force or resume):
         cut = f", or --resume to go on from the cut-short run in {paths[2]}" if os.path.lexists(paths[2]) else ""
-        raise ValueError(f"{existing} already exists; pass --force to replace it, or --out NAME for a new run{cut}")
+        raise BadValue(f"{existing} already exists; pass --force to replace it, or --out NAME for a new run{cut}")
 
 
 def check_same_run(here, then, args):
@@ -190,9 +191,9 @@ def check_same_run(here, then, args):
             continue
         if flag in ("--corpus", "--tokenizer"):
             path = args.corpus if flag == "--corpus" else args.tokenizer
-            raise ValueError(f"--resume: {flag} {shown(path)} is not the file the run being resumed used (its sha256 "
+            raise BadValue(f"--resume: {flag} {shown(path)} is not the file the run being resumed used (its sha256 "
                              f"differs); pass that file, or start again without --resume")
-        raise ValueError(f"--resume: {flag} is {value} here but the run being resumed used {then.get(flag)}; "
+        raise BadValue(f"--resume: {flag} is {value} here but the run being resumed used {then.get(flag)}; "
                          "pass the same, or start again without --resume")
 
 
@@ -203,7 +204,7 @@ def random_states(device):
 
 def check_loss(loss, what, step):
     if not math.isfinite(loss):
-        raise ValueError(f"{what} is {loss} at step {step}, so the run stops there; try a smaller --lr")
+        raise BadValue(f"{what} is {loss} at step {step}, so the run stops there; try a smaller --lr")
 
 
 def log_line(text):
@@ -227,13 +228,13 @@ def main():
     args = ap.parse_args()
     for flag in ("steps", "eval_every", "eval_batches"):
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+            raise BadValue(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
-        raise ValueError(f"--lr must be a finite number above 0, got {args.lr}")
+        raise BadValue(f"--lr must be a finite number above 0, got {args.lr}")
     device = device_from(args.device)
     name = args.out.removesuffix(".pt")
     if not os.path.basename(name):
-        raise ValueError(f"--out {args.out!r} names no run; give a name like holmes or runs/holmes")
+        raise BadValue(f"--out {args.out!r} names no run; give a name like holmes or runs/holmes")
     check_outputs(name, args.force, args.resume, inputs=[args.corpus, args.tokenizer])
     use_bf16 = device.type == "cuda" or args.bf16
 
@@ -244,7 +245,7 @@ def main():
     text = read_corpus(args.corpus, "pass --corpus PATH to a UTF-8 text file")
     tokenizer = BPE.load(args.tokenizer)
     if tokenizer.vocab_size != cfg.vocab_size:  # a smaller one too: every script refuses such a pair later
-        raise ValueError(f"tokenizer {shown(args.tokenizer)} has {tokenizer.vocab_size:,} tokens but the model's "
+        raise BadValue(f"tokenizer {shown(args.tokenizer)} has {tokenizer.vocab_size:,} tokens but the model's "
                          f"vocabulary is {cfg.vocab_size:,}; pass a tokenizer trained with --vocab {cfg.vocab_size}")
     corpus_sha, record = hashlib.sha256(text.encode()).hexdigest(), tokenizer.record()
     tokenizer_sha = record["sha256"]
@@ -257,7 +258,7 @@ def main():
     ids = load_ids(text, tokenizer, cache_path(corpus_sha, tokenizer_sha))
     ids = torch.from_numpy(ids.astype(np.int64))
     if len(ids) < 10 * (cfg.context + 2):
-        raise ValueError(f"corpus {shown(args.corpus)} gives {len(ids):,} tokens; at least {10 * (cfg.context + 2):,} are "
+        raise BadValue(f"corpus {shown(args.corpus)} gives {len(ids):,} tokens; at least {10 * (cfg.context + 2):,} are "
                          f"needed for the last 10% to hold one {cfg.context + 1}-token validation window")
     split = int(0.9 * len(ids))
     train_ids, val_ids = ids[:split], ids[split:]
@@ -284,11 +285,11 @@ def main():
             for rng, key in random_states(device):
                 rng.set_rng_state(state[key].cpu())
         except Exception as e:
-            raise ValueError(f"--resume: {name}.resume.pt does not fit this run ({type(e).__name__})") from None
+            raise BadValue(f"--resume: {name}.resume.pt does not fit this run ({type(e).__name__})") from None
         # the optimizer loads moments of any shape; the first step that used them would fail
         if any(moment.shape != p.shape for p, kept in opt.state.items()
                for moment in (kept.get("exp_avg"), kept.get("exp_avg_sq")) if moment is not None):
-            raise ValueError(f"--resume: {name}.resume.pt does not fit this run (its optimizer's moments are not "
+            raise BadValue(f"--resume: {name}.resume.pt does not fit this run (its optimizer's moments are not "
                              "shaped as the weights); start again without --resume")
         start, best_val, elapsed = state["step"], state["best_val"], state["elapsed"]
         print(f"resuming at step {start} (best val {best_val:.3f})", file=sys.stderr)

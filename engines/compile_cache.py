@@ -16,6 +16,7 @@ import platform
 import zipfile
 
 from cli import atomic_write, check_output, first_line, shown
+from errors import BadPath
 
 import torch
 
@@ -33,7 +34,7 @@ def check_compile_cache(folder=None):
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
-        raise OSError(f"cannot make the compile cache folder {shown(folder)} ({e.strerror}); "
+        raise BadPath(f"cannot make the compile cache folder {shown(folder)} ({e.strerror}); "
                       "name another with --compile-cache") from None
     check_output(os.path.join(folder, "decode-step.pt2"), force=True)  # the folder is writable
     return folder

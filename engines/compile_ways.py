@@ -1,6 +1,8 @@
 """The ways a decode step is compiled, and the C++ compiler inductor needs for them on a CPU."""
 import shutil
 
+from errors import BadValue
+
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +25,7 @@ def compiler_missing(device):
 
 def check_compiler(device, otherwise="or leave out --compile"):
     if reason := compiler_missing(device):
-        raise ValueError(f"{reason}, {otherwise}")
+        raise BadValue(f"{reason}, {otherwise}")
 
 
 # The ways a decode step is compiled, and the one kept is measured where it runs: "autotuned" freezes the

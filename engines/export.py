@@ -12,6 +12,7 @@ import shutil
 import tempfile
 
 from cli import Parser, appeared, check_output, place, shown, write_failure
+from errors import Appeared, BadPath, BadValue, EngineFailed
 
 import torch
 import transformers
@@ -50,29 +51,29 @@ def check_out_dir(path, force, export_files, inputs, flag):
     anything else, the working folder or one holding it, or one holding this export's own inputs,
     is refused whatever the flags. A link counts as existing (it is replaced, never written through)."""
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise ValueError(f"{shown(path)} exists and is not a folder; give another {flag}")
+        raise BadValue(f"{shown(path)} exists and is not a folder; give another {flag}")
     if inside(os.getcwd(), path):
-        raise ValueError(f"{flag} {shown(path)} is the working folder or holds it, which an export never "
+        raise BadValue(f"{flag} {shown(path)} is the working folder or holds it, which an export never "
                          "replaces; give a new folder's name")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ValueError(f"cannot write {shown(path)}: the folder {shown(parent)} does not exist")
+        raise BadValue(f"cannot write {shown(path)}: the folder {shown(parent)} does not exist")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
     except OSError as e:
-        raise OSError(f"cannot write {shown(path)}: the folder {shown(parent)} is not writable ({e.strerror})") \
+        raise BadPath(f"cannot write {shown(path)}: the folder {shown(parent)} is not writable ({e.strerror})") \
             from None
     if not os.path.lexists(path):
         return
     if (os.listdir(path) or os.path.islink(path)) and not force:
-        raise ValueError(f"{shown(path)} exists and is not empty; pass --force to replace a previous export there")
+        raise BadValue(f"{shown(path)} exists and is not empty; pass --force to replace a previous export there")
     others = not_an_export(path, export_files)
     if others:
-        raise ValueError(f"--force replaces only a previous export, and {shown(path)} also holds "
+        raise BadValue(f"--force replaces only a previous export, and {shown(path)} also holds "
                          f"{listing(others)}, which it would remove; give another {flag}")
     used = [p for p in inputs if inside(p, path)]
     if used:
-        raise ValueError(f"{shown(path)} holds {shown(used[0])}, which this export reads; give another {flag}")
+        raise BadValue(f"{shown(path)} holds {shown(used[0])}, which this export reads; give another {flag}")
 
 
 def check_apart(outputs, folders):
@@ -80,7 +81,7 @@ def check_apart(outputs, folders):
     for folder in folders:
         held = [p for p in outputs if p != folder and inside(p, folder)]
         if held:
-            raise ValueError(f"{shown(held[0])} is inside {shown(folder)}, which the export replaces whole; "
+            raise BadValue(f"{shown(held[0])} is inside {shown(folder)}, which the export replaces whole; "
                              "give outputs that do not nest")
 
 
@@ -105,7 +106,7 @@ def put_in_place(built, path, force, export_files):
         except OSError as e:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
                 raise
-            raise FileExistsError(appeared(path)) from None
+            raise Appeared(appeared(path)) from None
         return
     old = tempfile.mkdtemp(prefix=".old-", dir=os.path.dirname(os.path.abspath(path)))
     aside = os.path.join(old, "out")
@@ -114,11 +115,11 @@ def put_in_place(built, path, force, export_files):
             if os.path.lexists(path):
                 os.rename(path, aside)
             if os.path.lexists(aside) and not os.path.isdir(aside):
-                raise ValueError(f"{shown(path)} is no longer a folder; it is left as it was and nothing was "
+                raise BadValue(f"{shown(path)} is no longer a folder; it is left as it was and nothing was "
                                  "written there")
             others = not_an_export(aside, export_files) if os.path.lexists(aside) else []
             if others:
-                raise ValueError(f"{shown(path)} now holds {listing(others)}, which --force would remove; "
+                raise BadValue(f"{shown(path)} now holds {listing(others)}, which --force would remove; "
                                  "it is left as it was and nothing was written there")
             os.rename(built, path)
         except BaseException:
@@ -168,7 +169,7 @@ def run_engine(name, fn, *args):
     try:
         return peers.isolated(name, fn, *args)
     except ChildProcessError as e:
-        raise ChildProcessError(f"{e}; nothing written") from None
+        raise EngineFailed(f"{e}; nothing written") from None
 
 
 def cached_tokens(model, prompt, n_tokens):
@@ -183,7 +184,7 @@ def engine_report(name, same_ids, theirs, ours):
     print(f"{name}: {len(ours)} greedy tokens from {PROMPT!r}: "
           + ("the same tokens as cached.py" if parted is None else f"parts from cached.py after {parted} tokens"))
     if same_ids is False:
-        raise ValueError(f"{name} tokenizes differently from bpe.py; nothing written")
+        raise BadValue(f"{name} tokenizes differently from bpe.py; nothing written")
 
 
 def work_folder(beside, works):
@@ -196,9 +197,9 @@ def work_folder(beside, works):
 def check_folder(args):
     """--check: an existing Hugging Face folder, read by whichever transformers is installed (4 or 5)."""
     if args.broken or args.gguf or args.ct2 or args.out_dir:
-        raise ValueError("--check reads a folder and writes nothing; give it with CHECKPOINT and --tokenizer only")
+        raise BadValue("--check reads a folder and writes nothing; give it with CHECKPOINT and --tokenizer only")
     if not os.path.isdir(args.check) or not os.path.exists(os.path.join(args.check, "config.json")):
-        raise ValueError(f"--check {shown(args.check)}: not a folder with a config.json; give an exported folder")
+        raise BadValue(f"--check {shown(args.check)}: not a folder with a config.json; give an exported folder")
     model, bpe = load_pair(args.checkpoint, args.tokenizer)
     hf, hf_tokenizer = read_folder(args.check)
     print(f"{shown(args.check)} loaded through transformers {transformers.__version__}:")
@@ -207,7 +208,7 @@ def check_folder(args):
     print("config, every weight and the whole tokenizer: " + ("exactly the export's" if not differences else
                                                                "; ".join(differences)))
     if not same or differences:
-        raise ValueError(f"{shown(args.check)} does not reproduce {shown(args.checkpoint)}")
+        raise BadValue(f"{shown(args.check)} does not reproduce {shown(args.checkpoint)}")
 
 
 def main():
@@ -229,14 +230,14 @@ def main():
         check_folder(args)
         return
     if args.broken not in (None, "layout", "rotary"):
-        raise ValueError(f"--break must be 'layout' or 'rotary', got {args.broken!r}")
+        raise BadValue(f"--break must be 'layout' or 'rotary', got {args.broken!r}")
     if args.broken and (args.gguf or args.ct2):
-        raise ValueError("--break writes nothing; drop --gguf and --ct2")
+        raise BadValue("--break writes nothing; drop --gguf and --ct2")
     out_dir = args.out_dir or (None if args.gguf or args.ct2 else "holmes-hf")
     outputs = [p for p in (out_dir, args.gguf, args.ct2) if p]
     if not args.broken:
         if len({os.path.abspath(p) for p in outputs}) < len(outputs):
-            raise ValueError("OUT_DIR, --gguf and --ct2 name the same path; give each its own")
+            raise BadValue("OUT_DIR, --gguf and --ct2 name the same path; give each its own")
         check_apart(outputs, [p for p in (out_dir, args.ct2) if p])
         inputs = [p for p in (args.checkpoint, args.tokenizer) if os.path.exists(p)]
         if out_dir:
@@ -262,7 +263,7 @@ def main():
         if args.broken:
             return
         if not exact:
-            raise ValueError(f"the exported folder does not reproduce {args.checkpoint}; nothing written")
+            raise BadValue(f"the exported folder does not reproduce {args.checkpoint}; nothing written")
         if args.gguf:
             built[args.gguf] = os.path.join(work_folder(args.gguf, works), "model.gguf")
             export_gguf(model, bpe, built[args.gguf], args.gguf_type)
@@ -277,7 +278,7 @@ def main():
     except Exception as e:
         if write_failure(e) is None:
             raise
-        raise OSError(f"cannot write {listing([shown(p) for p in outputs])}: {write_failure(e)}; "
+        raise BadPath(f"cannot write {listing([shown(p) for p in outputs])}: {write_failure(e)}; "
                       "nothing was written there") from None
     finally:
         for work in works:

@@ -12,6 +12,7 @@ the tokens a second; the same samples as python prefill_clone.py.
 import copy
 
 from cli import DTYPE_NAMES, Parser, add_speed_flags, device_from, run_cli
+from errors import BadValue
 
 import torch
 
@@ -33,9 +34,9 @@ def check_dtype(dtype, device):
     """One of DTYPES (a name or the torch.dtype); float16 only on CUDA, where it has fast kernels."""
     dtype = DTYPES.get(dtype, dtype)
     if dtype not in DTYPES.values():
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        raise BadValue(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if dtype == torch.float16 and device.type != "cuda":
-        raise ValueError("float16 runs only on CUDA here; on the CPU use bfloat16")
+        raise BadValue("float16 runs only on CUDA here; on the CPU use bfloat16")
     return dtype
 
 
@@ -74,7 +75,7 @@ class FastEngine(Engine):
         if kernel != "auto":
             kernel_named(kernel, device, dtype)
             if compile:
-                raise ValueError(f"kernel {kernel!r} with compile=True: inductor picks the compiled step's kernels; "
+                raise BadValue(f"kernel {kernel!r} with compile=True: inductor picks the compiled step's kernels; "
                                  "leave kernel='auto'")
         if dtype == torch.int8:
             ready = quantized(model)
@@ -132,7 +133,7 @@ class FastEngine(Engine):
         or a compiled step with the weights frozen in, would go on running the old ones."""
         now = weights_state(self.source)
         if len(now) != len(self.weights) or any(p is not q or v != w for (p, v), (q, w) in zip(self.weights, now)):
-            raise ValueError("the model's weights changed after this Engine was made (its decode step or its copy "
+            raise BadValue("the model's weights changed after this Engine was made (its decode step or its copy "
                              "holds the old ones); make a new Engine for the new weights")
 
     @torch.inference_mode()

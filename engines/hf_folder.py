@@ -19,6 +19,7 @@ import json
 import os
 
 from cli import atomic_write, shown
+from errors import BadValue
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -89,7 +90,7 @@ def spelled_vocabulary(bpe):
     for i, token_bytes in enumerate(bpe.vocab):
         tokens.append("".join(alphabet[b] for b in token_bytes))
         if ids.setdefault(tokens[-1], i) != i:
-            raise ValueError(f"tokens {ids[tokens[-1]]} and {i} are the same bytes {token_bytes!r}; "
+            raise BadValue(f"tokens {ids[tokens[-1]]} and {i} are the same bytes {token_bytes!r}; "
                              "a Hugging Face vocabulary cannot hold both")
     return tokens, [(tokens[a], tokens[b]) for a, b in bpe.merges]
 
@@ -175,7 +176,7 @@ def read_folder(path):
         return load_folder(path)
     except Exception as e:  # the libraries' own kinds (SafetensorError, a tokenizers Exception, OSError, ...)
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ValueError(f"--check {shown(path)}: transformers cannot load it ({type(e).__name__}: {reason[:200]}); "
+        raise BadValue(f"--check {shown(path)}: transformers cannot load it ({type(e).__name__}: {reason[:200]}); "
                          "export it again") from None
     finally:
         logging.set_verbosity(verbosity)

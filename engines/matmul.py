@@ -19,6 +19,7 @@ import types
 import weakref
 
 from cli import Parser, check_fits, device_from, run_cli
+from errors import BadValue
 
 import torch
 import torch.nn as nn
@@ -160,10 +161,10 @@ def kernel_named(name, device, dtype):
     """The kernel called `name`, refused in one line if unknown or not available here."""
     every = KERNELS | INT8_KERNELS
     if name not in every:
-        raise ValueError(f"unknown kernel {name!r}; the kernels are {list(KERNELS)} ({list(INT8_KERNELS)} for "
+        raise BadValue(f"unknown kernel {name!r}; the kernels are {list(KERNELS)} ({list(INT8_KERNELS)} for "
                          "int8), or 'auto' to measure them")
     if not runs_here(name, device, dtype):
-        raise ValueError(f"kernel {name!r} does not run on {device.type} in {str(dtype).removeprefix('torch.')}")
+        raise BadValue(f"kernel {name!r} does not run on {device.type} in {str(dtype).removeprefix('torch.')}")
     return every[name]
 
 
@@ -228,7 +229,7 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="rows per step")
     args = ap.parse_args()
     if min(args.batches) < 1:
-        raise ValueError(f"--batches must be whole numbers >= 1, got {args.batches}")
+        raise BadValue(f"--batches must be whole numbers >= 1, got {args.batches}")
     device = device_from(args.device)
     model = CachedGPT().to(device).eval()
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]

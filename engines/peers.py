@@ -31,6 +31,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from errors import BadValue, EngineFailed
+
 REQUIREMENTS = "requirements-serve.txt"
 GGUF_TYPES = ("f32", "f16", "q8_0")
 STOP_ID = 0xFF  # the byte no UTF-8 text holds: the honest end-of-text id for a vocabulary without one
@@ -43,7 +45,7 @@ def engine(module):
         return importlib.import_module(module)
     except ImportError as e:
         missing = "" if e.name == module else f" ({e.name} missing)"
-        raise ValueError(f"{module} is not installed{missing}; pip install -r {REQUIREMENTS}") from None
+        raise BadValue(f"{module} is not installed{missing}; pip install -r {REQUIREMENTS}") from None
 
 
 def write_gguf(path, cfg, tensors, tokens, merges, kind="f32"):
@@ -131,7 +133,7 @@ def isolated(name, fn, *args):
         child.join()
         code = child.exitcode
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-        raise ChildProcessError(f"{name} crashed ({how}) in a process of its own")
+        raise EngineFailed(f"{name} crashed ({how}) in a process of its own")
     finally:
         receive.close()
     child.join()
@@ -219,7 +221,7 @@ def llama_greedy(path, prompt, batch, n_tokens, threads, runs=1):
     quiet_llama(llama_cpp)
     model = llama_cpp.llama_model_load_from_file(os.fsencode(path), llama_model_params(llama_cpp))
     if not model:
-        raise ValueError(f"llama.cpp could not load {os.fspath(path)!r}")
+        raise BadValue(f"llama.cpp could not load {os.fspath(path)!r}")
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = params.n_batch = len(prompt) + batch * n_tokens
     params.n_seq_max, params.kv_unified = batch, True

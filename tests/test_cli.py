@@ -25,7 +25,8 @@ import cli
 import train as train_module
 from bpe import BPE
 from cli import atomic_write, check_input, check_output, run_cli, show_progress
-from conftest import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, run_main, small_and_fast,
+from errors import BadPath, BadValue
+from conftest import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, exit_status, run_main, small_and_fast,
                       train)
 
 
@@ -150,7 +151,7 @@ def test_inputs_are_bounded_regular_files(tmp_path, make, message):
 
 
 @pytest.mark.parametrize("error, message", [
-    (ValueError("a bad knob"), "prog.py: error: a bad knob"),
+    (BadValue("a bad knob"), "prog.py: error: a bad knob"),
     (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
      "prog.py: error: out of memory; ask for fewer rows or tokens, or a smaller model"),
     (MemoryError(), "prog.py: error: out of memory"),
@@ -199,11 +200,11 @@ def test_a_closed_or_failing_stdout_ends_quietly_or_in_one_line_naming_it(monkey
 def test_an_oserror_of_main_itself_is_not_said_as_stdouts(monkeypatch):
     def main():
         print("a result")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise BadPath("cannot write out.pt: No space left on device; nothing was written there")
     monkeypatch.setattr(sys, "argv", ["prog.py"])
     with pytest.raises(SystemExit) as exit:
         run_cli(main)
-    assert exit.value.code == "prog.py: error: [Errno 28] No space left on device"
+    assert exit.value.code == "prog.py: error: cannot write out.pt: No space left on device; nothing was written there"
 
 
 @pytest.mark.parametrize("script, stdout", [("model.py", "full"), ("sampling.py", "closed")])
@@ -223,20 +224,45 @@ def test_a_full_or_closed_stdout_ends_without_exception_ignored(script, stdout):
         assert (proc.returncode, err) == (141, "")
 
 
-def test_a_failing_top_level_import_is_one_line_and_any_other_error_keeps_its_traceback(tmp_path):
-    """A new interpreter: what the main script's import lines raise, before any main, is the subject."""
-    (tmp_path / "talkative.py").write_text('raise RuntimeError("\\nsomething torch said\\nat length")\n')
-    heads = f"import sys\nsys.path[:0] = [{ROOT!r}, {str(tmp_path)!r}]\nimport cli\n"
-    for body, expected in (
-            ("import no_such_module_here\n", "prog.py: error: cannot import no_such_module_here "
-                                           "(No module named 'no_such_module_here'); pip install -r requirements.txt"),
-            ("import talkative\n", "prog.py: error: cannot start: RuntimeError: something torch said")):
-        (tmp_path / "prog.py").write_text(heads + body)
-        run = subprocess.run([sys.executable, "prog.py"], cwd=tmp_path, capture_output=True, text=True)
-        assert (run.returncode, run.stderr.strip()) == (1, expected)
-    (tmp_path / "prog.py").write_text(heads + "raise ValueError('a bug of the program that imported cli')\n")
+def test_what_stops_a_script_before_its_main_is_one_line_and_a_bug_keeps_its_traceback(tmp_path):
+    """A new interpreter: cli's import, before any main, is the subject. A package of requirements.txt that is
+    missing and a working folder that is gone are one line each; an error of the program itself is a bug."""
+    heads = f"import sys\nsys.path.insert(0, {ROOT!r})\n"
+    (tmp_path / "prog.py").write_text(heads + "import importlib.util\nreal = importlib.util.find_spec\n"
+                                      "importlib.util.find_spec = lambda name, *a: None if name == 'regex' else real(name, *a)\n"
+                                      "import cli\n")
+    run = subprocess.run([sys.executable, "prog.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert (run.returncode, run.stderr) == (1, "prog.py: error: cannot import regex; pip install -r requirements.txt\n")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (tmp_path / "prog.py").write_text(heads + f"import os\nos.chdir({str(gone)!r})\nos.rmdir({str(gone)!r})\nimport cli\n")
+    run = subprocess.run([sys.executable, str(tmp_path / "prog.py")], cwd=tmp_path, capture_output=True, text=True)
+    assert (run.returncode, run.stderr) == (
+        1, "prog.py: error: the working folder no longer exists; cd into one that does and run again\n")
+    (tmp_path / "prog.py").write_text(heads + "import cli\nraise ValueError('a bug of the program that imported cli')\n")
     run = subprocess.run([sys.executable, "prog.py"], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 1 and run.stderr.startswith("Traceback") and "a bug of the program" in run.stderr
+
+
+def test_run_cli_says_bad_input_in_one_line_and_lets_any_other_error_keep_its_traceback(monkeypatch):
+    def refusing():
+        raise BadValue("--tokens must be at least 1, got 0")
+
+    def buggy():
+        raise ValueError("a bug: an error that is not a BadInput")
+    assert exit_status(refusing, ["prog.py"], monkeypatch) == (1, "prog.py: error: --tokens must be at least 1, got 0\n")
+    with pytest.raises(ValueError, match="a bug"):
+        exit_status(buggy, ["prog.py"], monkeypatch)
+
+
+def test_no_exception_hook_is_installed_by_importing_the_edge():
+    assert sys.excepthook is sys.__excepthook__
+
+
+def test_a_script_started_with_standard_output_closed_says_so_in_one_line():
+    run = subprocess.run(f"{sys.executable} cached.py --help >&-", shell=True, cwd=ROOT, capture_output=True, text=True)
+    assert (run.returncode, run.stderr) == (1, "cached.py: error: cannot write to standard output: it is closed; "
+                                               "give it a place (> FILE, or a terminal)\n")
 
 
 def test_the_lessons_files_import_nothing_of_the_command_line():
@@ -253,7 +279,7 @@ SCRIPTS = ["bench.py", "bpe.py", "cached.py", "export.py", "engines/matmul.py", 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_imports_cli_before_any_module_that_may_import_torch(script):
-    """What makes each script's failing `import torch` one line (cli.startup_failure, shown for real below):
+    """What makes what stops a script before its main one line (cli.check_start, shown for real above):
     its first import of torch or of a module of this repo (any of which may import torch) is cli's."""
     imports = [node for node in ast.parse(open(os.path.join(ROOT, script)).read()).body
                if isinstance(node, (ast.Import, ast.ImportFrom))]

@@ -1,0 +1,33 @@
+"""The refusals: what bad input raises, so that cli.run_cli says it in one line and exits 1.
+
+Each kind is also the standard exception for it (a BadValue is a ValueError,
+a NotFound a FileNotFoundError), so a caller may catch those as usual. Any
+exception that is not a BadInput is a bug, and keeps its traceback.
+"""
+
+
+class BadInput(Exception):
+    """What a user gave (an argument, a file, a request) that this repo cannot honour, said in words that name
+    it and what would do instead: run_cli prints it as one line and exits 1. Each kind is also the standard
+    exception for it, so a caller may catch ValueError or OSError as usual. Any exception that is not a
+    BadInput is a bug, and keeps its traceback."""
+
+
+class BadValue(BadInput, ValueError):
+    """An argument, a knob or a value read from a file that is not what it must be."""
+
+
+class BadPath(BadInput, OSError):
+    """A path that cannot be read or written as asked."""
+
+
+class NotFound(BadPath, FileNotFoundError):
+    """An input that is not there."""
+
+
+class Appeared(BadPath, FileExistsError):
+    """An output that stands where nothing may be replaced."""
+
+
+class EngineFailed(BadInput, ChildProcessError):
+    """A serving engine that crashed or refused, in the process of its own it ran in."""

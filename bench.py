@@ -63,7 +63,8 @@ import time
 from bisect import bisect_left
 from functools import partial
 
-from cli import Parser, atomic_write, check_output, device_from, run_cli
+from cli import Parser, device_from, run_cli
+from files import atomic_write, check_output
 from errors import BadValue
 
 import torch

@@ -18,7 +18,8 @@ from collections import Counter
 
 import regex
 
-from cli import Parser, as_id, atomic_write, check_input, check_output, run_cli, show_progress, shown
+from cli import Parser, as_id, run_cli, show_progress
+from files import atomic_write, check_input, check_output, shown
 from errors import BadValue
 
 MAX_MERGES = 65536 - 256  # ids must fit uint16, as Part 3's training stores them

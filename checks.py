@@ -16,7 +16,8 @@ from dataclasses import fields
 import torch
 
 from bpe import BPE, utf8_bytes
-from cli import as_id, atomic_write, check_count, check_fits, check_input, device_from, shown
+from cli import as_id, check_count, check_fits, device_from
+from files import atomic_write, check_input, shown
 from errors import BadValue
 from model import GPT, Config, in_training
 

@@ -36,9 +36,18 @@ written too when given. --force replaces a previous export only.
 build the broken folder in a temporary directory, report how far the logits
 move and where greedy text parts, and keep nothing.
 """
-from cli import run_cli
+import importlib.util
 
-from engines.export import main
+from cli import run_cli
+from errors import BadValue
+
+
+def main():
+    if importlib.util.find_spec("transformers") is None:  # the whole export reads and writes through it
+        raise BadValue("export.py needs transformers; pip install -r requirements-serve.txt")
+    from engines.export import main as export
+    export()
+
 
 if __name__ == "__main__":
     run_cli(main)

@@ -19,7 +19,8 @@ import sys
 import time
 
 # first: cli.check_start says in one line what would stop torch from starting
-from cli import Parser, atomic_write, check_input, check_output, device_from, run_cli, show_progress, shown
+from cli import Parser, device_from, run_cli, show_progress
+from files import atomic_write, check_input, check_output, shown
 from errors import BadPath, BadValue
 
 import numpy as np

@@ -15,7 +15,8 @@ import os
 import platform
 import zipfile
 
-from cli import atomic_write, check_output, first_line, shown
+from cli import first_line
+from files import atomic_write, check_output, shown
 from errors import BadPath
 
 import torch

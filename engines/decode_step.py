@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 
-from cli import atomic_write, shown
+from files import atomic_write, shown
 
 import torch
 import torch.nn as nn

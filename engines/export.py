@@ -11,7 +11,8 @@ import os
 import shutil
 import tempfile
 
-from cli import Parser, appeared, check_output, place, shown, write_failure
+from cli import Parser
+from files import appeared, check_output, place, shown, write_failure
 from errors import Appeared, BadPath, BadValue, EngineFailed
 
 import torch

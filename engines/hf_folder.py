@@ -18,7 +18,7 @@ a quarter of each head. config.json carries both. export.py is the command.
 import json
 import os
 
-from cli import atomic_write, shown
+from files import atomic_write, shown
 from errors import BadValue
 
 import torch

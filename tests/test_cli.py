@@ -22,9 +22,11 @@ import bpe as bpe_module
 import cached
 import checks
 import cli
+import files
 import train as train_module
 from bpe import BPE
-from cli import atomic_write, check_input, check_output, run_cli, show_progress
+from cli import run_cli, show_progress
+from files import atomic_write, check_input, check_output
 from errors import BadPath, BadValue
 from conftest import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, exit_status, run_main, small_and_fast,
                       train)
@@ -132,7 +134,7 @@ def test_a_write_without_force_lands_where_nothing_stands_and_leaves_nothing_els
 def test_an_unwritable_folder_is_found_by_trying_not_by_asking(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Read-only file system")
-    monkeypatch.setattr(cli.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(files.tempfile, "mkstemp", refuse)
     with pytest.raises(OSError, match="is not writable .Read-only file system."):
         check_output(tmp_path / "x.pt")
 
@@ -302,7 +304,8 @@ def test_sigterm_mid_write_removes_the_temporary_file_and_ends_in_one_line(tmp_p
     script = textwrap.dedent(f"""
         import os, signal, sys, time
         sys.path.insert(0, {ROOT!r})
-        from cli import atomic_write, run_cli
+        from cli import run_cli
+        from files import atomic_write
         def main():
             with atomic_write({str(tmp_path / 'out.bin')!r}) as f:
                 f.write(b"half")
@@ -567,3 +570,13 @@ def test_what_check_output_accepts_atomic_write_can_write(tmp_path):
     with atomic_write(path) as f:
         f.write(b"kept")
     assert path.read_bytes() == b"kept" and os.listdir(tmp_path) == [path.name]
+
+
+def test_export_without_transformers_names_the_requirements_file_in_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    import export
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert_refused(run_main(export.main, ["export.py"], monkeypatch, capsys),
+                   "export.py: error: export.py needs transformers; pip install -r requirements-serve.txt")

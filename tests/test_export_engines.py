@@ -3,9 +3,7 @@
 Outside CI an engine that is not installed skips its tests, naming requirements-serve.txt;
 in CI (CI=true) it fails them.
 """
-import importlib
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -14,7 +14,7 @@ import torch
 
 import train as train_module
 from bpe import BPE
-from cli import check_output
+from files import check_output
 from checks import load_checkpoint
 from model import GPT
 from conftest import (CORPUS, INPUTS, ROOT, RUN_FILES, TINY, TOKENIZER, assert_refused, copy_run, in_process, run_main,

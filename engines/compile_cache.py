@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import platform
+import stat
 import zipfile
 
 from cli import first_line
@@ -23,10 +24,30 @@ import torch
 
 
 
+MAX_PACKAGE_BYTES = 2**32  # a compiled step of a model this repo runs is far smaller
+MAX_CHOICE_BYTES = 2**16  # a few ways' milliseconds
+MS_RANGE = (1e-6, 1e6)  # a step's milliseconds as measured: a nanosecond to a quarter of an hour
+
+
 def default_compile_cache():
-    """Where compiled decode steps are kept unless told: $XDG_CACHE_HOME/tiny-gpt, else ~/.cache/tiny-gpt."""
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                        "tiny-gpt")
+    """Where compiled decode steps are kept unless told: $XDG_CACHE_HOME/tiny-gpt, else ~/.cache/tiny-gpt. A
+    relative XDG_CACHE_HOME is ignored, as the XDG spec says (it would move with the working folder)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return os.path.join(xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache"), "tiny-gpt")
+
+
+def unreadable(path, max_bytes):
+    """Why the kept file at `path` is not one to open, or None: what is read back is input too, so only a
+    regular file of bounded size is opened (a pipe would hang the read, a device never end it)."""
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        return e.strerror
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_size > max_bytes:
+        return f"it is {info.st_size:,} bytes, more than the {max_bytes:,} such a file can be"
+    return None
 
 
 def check_compile_cache(folder=None):
@@ -115,6 +136,8 @@ def load_package(package, key):
     """The compiled step in `package` (a path or a buffer), or why it cannot serve for `key`: a damaged file
     (its zip checksums; a flipped bit in the weights would otherwise load and run), or a package made for
     another key (another model's, or another batch's, renamed)."""
+    if isinstance(package, str) and (why := unreadable(package, MAX_PACKAGE_BYTES)):
+        return None, why
     try:
         if damaged := zipfile.ZipFile(package).testzip():
             return None, f"{damaged} inside it is damaged"
@@ -146,16 +169,22 @@ def choice_path(folder, keys):
 
 
 def read_choice(path, ways):
-    """{way: ms a step} as measured here before for these packages, or {} if none is kept (or it is not
-    readable as one: then the ways are timed again, and the file left as it is)."""
+    """({way: ms a step} as measured here before for these packages, None), or ({}, why it cannot be used)
+    where none is kept or it is not one: a file that is not a bounded regular file, not JSON, not every way's
+    milliseconds as a number in MS_RANGE (a boolean is not a number of milliseconds). The ways are then
+    timed again, and the file left as it is."""
+    if not os.path.lexists(path):
+        return {}, None
+    if why := unreadable(path, MAX_CHOICE_BYTES):
+        return {}, why
     try:
         with open(path) as f:
             kept = json.load(f)
-    except (OSError, ValueError):
-        return {}
+    except (OSError, ValueError, RecursionError):
+        return {}, "it is not JSON"
     good = isinstance(kept, dict) and set(kept) == set(ways) and all(
-        isinstance(ms, (int, float)) and 0 < ms < float("inf") for ms in kept.values())
-    return kept if good else {}
+        type(ms) in (int, float) and MS_RANGE[0] <= ms <= MS_RANGE[1] for ms in kept.values())
+    return (kept, None) if good else ({}, f"it is not each way's milliseconds in {MS_RANGE[0]:g}..{MS_RANGE[1]:g}")
 
 
 def keep_choice(path, way_ms):

@@ -129,7 +129,10 @@ class DecodeStep:
         ways = ways or compile_ways(cache.k.device, cache.shape["batch"], int8)
         keys = step_keys(model, cache, ways)
         choice = choice_path(folder, list(keys.values()))
-        self.way_ms = read_choice(choice, ways) if len(ways) > 1 else {}
+        self.way_ms, unusable = read_choice(choice, ways) if len(ways) > 1 else ({}, None)
+        if unusable:
+            say(f"the compiled ways' times at {shown(choice)} cannot be used ({unusable}); timing them again and "
+                "leaving that file as it is")
         if self.way_ms:  # measured here before, for these very packages: only the faster is loaded
             ways = {name: o for name, o in ways.items() if name == min(self.way_ms, key=self.way_ms.get)}
         made = {name: self._kept_or_compiled(dict(o), keys[name], folder) for name, o in ways.items()}

@@ -331,3 +331,50 @@ def test_one_rows_step_compiled_as_dot_products_gives_the_eager_tokens(kept_ever
     engine.prepare(1)
     assert engine.steps[1].way == compile_ways.DOT_PRODUCTS
     assert_eager_tokens(engine, model, 1)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "huge"])
+def test_a_kept_package_that_is_not_a_bounded_regular_file_is_said_and_never_opened(tmp_path, monkeypatch, kind):
+    path = str(tmp_path / "decode-step-x.pt2")
+    if kind == "fifo":
+        os.mkfifo(path)  # opened, it would hang the load
+    elif kind == "folder":
+        os.mkdir(path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(compile_cache.MAX_PACKAGE_BYTES + 1)  # sparse: no disk spent
+    monkeypatch.setattr(compile_cache.zipfile, "ZipFile", lambda *a: pytest.fail("opened"))
+    runner, why = compile_cache.load_package(path, "key")
+    assert runner is None and why in ("it is not a regular file",
+                                      f"it is {2**32 + 1:,} bytes, more than the {2**32:,} such a file can be")
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "it is not a regular file"),
+    ('{"a": true, "b": 1.0}', "it is not each way's milliseconds"),
+    ('{"a": 1e-310, "b": 1.0}', "it is not each way's milliseconds"),
+    ('{"a": 1.0, "b": 1e300}', "it is not each way's milliseconds"),
+    ('{"a": 1.0}', "it is not each way's milliseconds"),
+    ("[" * 50000, "it is not JSON"),
+    (" " * (compile_cache.MAX_CHOICE_BYTES + 1), "more than the 65,536 such a file can be"),
+])
+def test_a_ways_timing_file_is_read_back_as_input_and_a_bad_one_is_named(tmp_path, content, why):
+    path = str(tmp_path / "decode-step-ways-x.json")
+    if content is None:
+        os.mkfifo(path)
+    else:
+        with open(path, "w") as f:
+            f.write(content)
+    kept, unusable = compile_cache.read_choice(path, {"a": {}, "b": {}})
+    assert kept == {} and why in unusable
+    with open(path, "w") if content is not None else open(os.devnull, "w") as f:
+        f.write('{"a": 0.5, "b": 2}')
+    if content is not None:
+        assert compile_cache.read_choice(path, {"a": {}, "b": {}}) == ({"a": 0.5, "b": 2}, None)
+
+
+def test_a_relative_xdg_cache_home_is_ignored_as_the_spec_says(monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert compile_cache.default_compile_cache() == os.path.join(os.path.expanduser("~"), ".cache", "tiny-gpt")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/abs/cache")
+    assert compile_cache.default_compile_cache() == "/abs/cache/tiny-gpt"

@@ -47,9 +47,20 @@ def speed_flags(args):
     return dict(compile=args.compile, compile_cache=cache, dtype=check_dtype(args.dtype, device))
 
 
+BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each element size
+
+
 def weights_state(model):
-    """The model's weight tensors and how often each was changed in place (inference tensors cannot be)."""
-    return [(p, 0 if p.is_inference() else p._version) for p in model.parameters()]
+    """What the model's weights are now: each tensor, where its data lives, its version counter and a checksum
+    of its values' bits (their sum, and the sum of each xor its neighbour, so a swap of two moves it too).
+    The checksum is what notices a write through p.data, in place or a new tensor assigned, as older
+    training and EMA code does: it moves neither the tensor nor its version counter."""
+    state = []
+    for p in model.parameters():
+        bits = p.detach().reshape(-1).view(BITS[p.element_size()])
+        checksum = (bits.sum(dtype=torch.int64).item(), (bits[1:] ^ bits[:-1]).sum(dtype=torch.int64).item())
+        state.append((p, p.data_ptr(), 0 if p.is_inference() else p._version, checksum))
+    return state
 
 
 class FastEngine(Engine):
@@ -129,10 +140,11 @@ class FastEngine(Engine):
         return sampling.pick(logits, history=history, generator=generators, **settings[0])
 
     def check_unchanged(self):
-        """Refuse to run once the model's weights changed after this Engine was made: its bfloat16 copy,
-        or a compiled step with the weights frozen in, would go on running the old ones."""
+        """Refuse to run once the model's weights changed after this Engine was made, however they changed:
+        its bfloat16 or int8 copy, a compiled step with the weights frozen in, or a kernel's reordered copy
+        would go on running the old ones (or a mix)."""
         now = weights_state(self.source)
-        if len(now) != len(self.weights) or any(p is not q or v != w for (p, v), (q, w) in zip(self.weights, now)):
+        if len(now) != len(self.weights) or any(a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(self.weights, now)):
             raise BadValue("the model's weights changed after this Engine was made (its decode step or its copy "
                              "holds the old ones); make a new Engine for the new weights")
 

@@ -95,3 +95,24 @@ def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, mon
     run = run_main(fast_engine.main, ["fast_engine.py", *args], monkeypatch, capsys)
     assert_refused(run, "fast_engine.py: error: ")
     assert message in run[2] and run[1] == ""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("change", ["in place through .data", "a new tensor assigned to .data", "two values swapped",
+                                    "in place, tracked"])
+def test_weights_changed_any_way_after_the_engine_was_made_are_refused(dtype, change):
+    model = small()
+    engine = FastEngine(model, dtype=dtype)
+    engine.generate_batch(PROMPT, 2, max_tokens=3, temperature=0)
+    w = model.blocks[0].mlp[0].weight
+    with torch.no_grad():
+        if change == "in place through .data":
+            w.data.mul_(1.01)
+        elif change == "a new tensor assigned to .data":
+            w.data = w.data * 1.01
+        elif change == "two values swapped":
+            w.data[0, :2] = w.data[0, :2].flip(0).clone()
+        else:
+            w.mul_(1.01)
+    with pytest.raises(ValueError, match="the model's weights changed after this Engine was made"):
+        engine.generate_batch(PROMPT, 2, max_tokens=3, temperature=0)

@@ -31,3 +31,8 @@ class Appeared(BadPath, FileExistsError):
 
 class EngineFailed(BadInput, ChildProcessError):
     """A serving engine that crashed or refused, in the process of its own it ran in."""
+
+
+class CompileFailed(BadInput, RuntimeError):
+    """A compile that failed inside torch's compiler (its C++ build, its autotuner): the way is named, and what
+    to do instead."""

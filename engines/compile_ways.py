@@ -1,6 +1,11 @@
 """The ways a decode step is compiled, and the C++ compiler inductor needs for them on a CPU."""
+import functools
+import os
 import shutil
+import subprocess
+import tempfile
 
+from cli import first_line
 from errors import BadValue
 
 import torch
@@ -12,15 +17,32 @@ from engines.matmul import with_kernel
 
 def compiler_missing(device):
     """Why torch.compile cannot run on `device` here, or None. On a CPU inductor builds its kernels with
-    the first C++ compiler of its config.cpp.cxx that runs: $CXX if set, else g++ (clang++ on a Mac)."""
+    the first C++ compiler of its config.cpp.cxx that runs: $CXX if set, else g++ (clang++ on a Mac). A
+    file of that name is not proof: the first one found must compile a line of C++ (compiles())."""
     if torch.device(device).type != "cpu":
         return None
     names = torch._inductor.config.cpp.cxx
     names = [names] if isinstance(names, str) else [name for name in names if name]
-    if any(shutil.which(name) for name in names):
-        return None
-    return (f"compiling on the CPU needs the C++ compiler inductor builds its kernels with ({' or '.join(names)}), "
-            "and there is none here; install one (apt-get install g++) or name one in CXX")
+    found = next((shutil.which(name) for name in names if shutil.which(name)), None)
+    if found is None:
+        return (f"compiling on the CPU needs the C++ compiler inductor builds its kernels with "
+                f"({' or '.join(names)}), and there is none here; install one (apt-get install g++) or name one in CXX")
+    if why := compiles(found):
+        return (f"compiling on the CPU needs a C++ compiler that works, and {found} does not ({why}); "
+                "install one (apt-get install g++) or name one in CXX")
+    return None
+
+
+@functools.cache
+def compiles(compiler):
+    """Why `compiler` fails to compile a line of C++ to an object file, or None."""
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            run = subprocess.run([compiler, "-x", "c++", "-c", "-o", os.path.join(folder, "probe.o"), "-"],
+                                 input="int probe() { return 0; }\n", capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return first_line(e)
+    return None if run.returncode == 0 else first_line(run.stderr or f"exit status {run.returncode}")
 
 
 def check_compiler(device, otherwise="or leave out --compile"):

@@ -13,6 +13,8 @@ import sys
 import time
 import warnings
 
+from cli import first_line
+from errors import CompileFailed
 from files import atomic_write, shown
 
 import torch
@@ -135,7 +137,18 @@ class DecodeStep:
                 "leaving that file as it is")
         if self.way_ms:  # measured here before, for these very packages: only the faster is loaded
             ways = {name: o for name, o in ways.items() if name == min(self.way_ms, key=self.way_ms.get)}
-        made = {name: self._kept_or_compiled(dict(o), keys[name], folder) for name, o in ways.items()}
+        made = {}
+        for name, options in ways.items():
+            try:
+                made[name] = self._kept_or_compiled(dict(options), keys[name], folder, name)
+            except CompileFailed as e:  # another way may still compile: the run goes on with those that do
+                if len(ways) == 1:
+                    raise
+                say(f"{e}; going on without that way")
+        if not made:
+            raise CompileFailed(f"the decode step for {cache.shape['batch']} rows failed to compile every way "
+                                f"({', '.join(ways)}); run without compiling, or see that the C++ compiler works")
+        ways = {name: ways[name] for name in made}
         self.loaded = all(loaded for _, _, loaded in made.values())
         # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
         runs = {name: lambda loader=runner.loader: loader.boxed_run(self._inputs())[0]
@@ -152,7 +165,7 @@ class DecodeStep:
                 f"running {self.way}")
         return runs[self.way]
 
-    def _kept_or_compiled(self, way, key, folder):
+    def _kept_or_compiled(self, way, key, folder, name="plain"):
         """(runner, package path, whether it was loaded) for the step compiled `way` (a COMPILE_WAYS entry)
         under `key` (its step_keys): loaded where a package is kept for the key, else compiled and kept."""
         path = package_path(folder, key)
@@ -173,8 +186,13 @@ class DecodeStep:
             warnings.filterwarnings("ignore", "TypedStorage is deprecated")
             warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
             options = {name: value for name, value in way.items() if name not in WAY_FIELDS}
-            torch._inductor.aoti_compile_and_package(self.exported(way), package_path=package,
-                                                     inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
+            try:
+                torch._inductor.aoti_compile_and_package(
+                    self.exported(way), package_path=package,
+                    inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
+            except Exception as e:  # a C++ build that breaks, an autotuner that fails: said, never a traceback
+                raise CompileFailed(f"{rows}, compiled {name!r}, failed inside inductor ({first_line(e)}); run "
+                                    "without compiling, or see that the C++ compiler works") from None
         try:
             with atomic_write(path) as f:
                 f.write(package.getbuffer())

@@ -19,7 +19,8 @@ from engines.decode_step import DecodeStep, GraphCache
 from engines.fast_engine import FastEngine
 from engines.compile_ways import compiler_missing
 from engines.compile_cache import step_key
-from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model
+from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model, run_main
+from errors import CompileFailed
 from model import Config
 from prefill_clone import Engine, KVCache
 
@@ -378,3 +379,37 @@ def test_a_relative_xdg_cache_home_is_ignored_as_the_spec_says(monkeypatch):
     assert compile_cache.default_compile_cache() == os.path.join(os.path.expanduser("~"), ".cache", "tiny-gpt")
     monkeypatch.setenv("XDG_CACHE_HOME", "/abs/cache")
     assert compile_cache.default_compile_cache() == "/abs/cache/tiny-gpt"
+
+
+def inductor_breaks(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("CppCompileError: C++ compile error\nCommand: g++ ... (and pages more)")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
+
+
+def test_a_compile_that_fails_inside_inductor_ends_in_one_line_naming_the_way(tmp_path, monkeypatch, capsys, light):
+    inductor_breaks(monkeypatch)
+    with pytest.raises(CompileFailed) as refused:
+        FastEngine(small(), compile=True, compile_cache=tmp_path).prepare(B)
+    assert str(refused.value) == (f"the compiled decode step for {B} rows, compiled 'plain', failed inside inductor "
+                                  "(CppCompileError: C++ compile error); run without compiling, or see that the C++ "
+                                  "compiler works")
+    from engines import fast_engine
+    capsys.readouterr()
+    status, out, err = run_main(fast_engine.main, ["fast_engine.py", "--compile", "--compile-cache", str(tmp_path),
+                                                   "-n", "1"], monkeypatch, capsys)
+    assert status == 1 and out == "" and "Traceback" not in err  # the line before it says what was being compiled
+    assert err.splitlines()[-1].startswith("fast_engine.py: error: the compiled decode step for 1 rows, compiled "
+                                           "'plain', failed inside inductor (CppCompileError: C++ compile error)")
+
+
+def test_a_way_that_fails_to_compile_is_said_and_the_run_goes_on_with_the_others(kept, monkeypatch, capsys):
+    model, folder, _ = kept
+    inductor_breaks(monkeypatch)  # the plain way is kept for B rows; the other must be compiled, and fails
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", {"cpu": {"plain": {}, "autotuned": AS_SET["cpu"]["autotuned"]}})
+    engine = FastEngine(model, compile=True, compile_cache=folder)
+    engine.prepare(B)
+    assert engine.steps[B].way == "plain"
+    assert "compiled 'autotuned', failed inside inductor (CppCompileError: C++ compile error); run without " \
+           "compiling, or see that the C++ compiler works; going on without that way" in capsys.readouterr().err
+    assert_eager_tokens(engine, model, B)

@@ -241,3 +241,13 @@ def test_prepare_refuses_what_a_generate_of_that_many_rows_would_before_allocati
         model.blocks[0].train()
     with pytest.raises(ValueError, match=message):
         FastEngine(model).prepare(batch if isinstance(batch, (int, float)) else 1)
+
+
+def test_a_compiler_that_is_found_but_does_not_compile_is_refused_in_one_line(tmp_path, monkeypatch):
+    broken = tmp_path / "c++"
+    broken.write_text("#!/bin/sh\necho 'c++: fatal error: cannot execute cc1plus' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, str(broken)))
+    reason = compile_ways.compiler_missing("cpu")
+    assert reason == (f"compiling on the CPU needs a C++ compiler that works, and {broken} does not (c++: fatal error: "
+                      "cannot execute cc1plus); install one (apt-get install g++) or name one in CXX")

@@ -261,9 +261,12 @@ def test_no_exception_hook_is_installed_by_importing_the_edge():
     assert sys.excepthook is sys.__excepthook__
 
 
-def test_a_script_started_with_standard_output_closed_says_so_in_one_line():
-    run = subprocess.run(f"{sys.executable} cached.py --help >&-", shell=True, cwd=ROOT, capture_output=True, text=True)
-    assert (run.returncode, run.stderr) == (1, "cached.py: error: cannot write to standard output: it is closed; "
+@pytest.mark.parametrize("command, name", [("model.py", "model.py"), ("cached.py --help", "cached.py"),
+                                           ("-m engines.fast_engine --help", "fast_engine.py")])
+def test_a_script_started_with_standard_output_closed_says_so_in_one_line(command, name):
+    """A new interpreter: a standard output closed before it starts (>&-) is the subject."""
+    run = subprocess.run(f"{sys.executable} {command} >&-", shell=True, cwd=ROOT, capture_output=True, text=True)
+    assert (run.returncode, run.stderr) == (1, f"{name}: error: cannot write to standard output: it is closed; "
                                                "give it a place (> FILE, or a terminal)\n")
 
 

@@ -251,6 +251,8 @@ def main():
         if wanted:
             peers.engine(module)
     model, bpe = load_pair(args.checkpoint, args.tokenizer)
+    if args.gguf:
+        peers.check_gguf_type(model.cfg, args.gguf_type)  # before the folder is built and proven
     works = []
     try:
         built = {}

@@ -48,6 +48,18 @@ def engine(module):
         raise BadValue(f"{module} is not installed{missing}; pip install -r {REQUIREMENTS}") from None
 
 
+GGUF_BLOCK = {"q8_0": 32}  # a quantized type's values come in blocks of this many along each matrix's rows
+
+
+def check_gguf_type(cfg, kind):
+    """Refuse, before any work, a GGUF type this model's shapes cannot be written in: q8_0 quantizes each
+    matrix's rows (d_model or 4 x d_model values) in blocks of 32."""
+    block = GGUF_BLOCK.get(kind)
+    if block and cfg.d_model % block:
+        raise BadValue(f"--gguf-type {kind} stores each matrix's rows in blocks of {block} values, and this model's "
+                       f"rows are d_model = {cfg.d_model} long, not a multiple of {block}; use --gguf-type f16 or f32")
+
+
 def write_gguf(path, cfg, tensors, tokens, merges, kind="f32"):
     """A GGUF llama.cpp loads as it is: GPT-NeoX, GPT-2-style BPE with GPT-2's split (Part 1's).
 

@@ -435,3 +435,15 @@ def test_check_of_a_damaged_folder_is_one_line_naming_it(holmes_folder, tmp_path
     message = one_line_exit(monkeypatch, "--check", folder)
     assert message.startswith(f"export.py: error: --check {folder}: transformers cannot load it ({reason}")
     assert message.endswith("; export it again") and capsys.readouterr().out == ""
+
+
+def test_a_gguf_type_the_models_shapes_cannot_hold_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    torch.manual_seed(0)
+    save_checkpoint(CachedGPT(Config(d_model=48, n_heads=4, n_layers=1)), tmp_path / "odd.pt", 0)
+    monkeypatch.setattr(export, "write_folder", lambda *a, **k: pytest.fail("the work began"))
+    status, out, err = run_main(export.main, ["export.py", str(tmp_path / "odd.pt"), "--gguf", str(tmp_path / "m.gguf"),
+                                              "--gguf-type", "q8_0"], monkeypatch, capsys)
+    assert status == 1 and out == "" and err.splitlines()[-1] == (  # after a note of the tokenizer assumed
+        "export.py: error: --gguf-type q8_0 stores each matrix's rows in blocks of 32 values, and this model's rows "
+        "are d_model = 48 long, not a multiple of 32; use --gguf-type f16 or f32")
+    assert os.listdir(tmp_path) == ["odd.pt"]

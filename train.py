@@ -67,17 +67,28 @@ def cache_path(corpus_sha, tokenizer_sha):
     return check_output(path, force=True)
 
 
-def load_ids(text, tokenizer, cache):
-    """The corpus as uint16 ids: from the cache, or tokenized once and cached."""
+def load_ids(text, tokenizer, cache, corpus, needed):
+    """The corpus as uint16 ids: from the cache, or tokenized once and cached; refused, before anything is
+    printed or cached, if they are fewer than `needed`."""
     if os.path.isfile(cache):
-        return read_ids(cache, tokenizer.vocab_size)
-    t0 = time.time()
-    ids = np.array(tokenizer.encode(text), dtype=np.uint16)
+        ids = read_ids(cache, tokenizer.vocab_size)
+    else:
+        t0 = time.time()
+        ids = np.array(tokenizer.encode(text), dtype=np.uint16)
+    if len(ids) < needed:
+        too_few(corpus, f"{len(ids):,} tokens", needed)
+    if os.path.isfile(cache):
+        return ids
     with atomic_write(cache, force=True) as f:  # what may stand there is the same ids, cached by another run
         np.save(f, ids)
     print(f"tokenized {len(text.encode()):,} bytes into {len(ids):,} tokens in {time.time() - t0:.1f}s",
           file=sys.stderr)
     return ids
+
+
+def too_few(corpus, size, needed):
+    raise BadValue(f"corpus {shown(corpus)} gives {size}; at least {needed:,} tokens are needed for the last 10% to "
+                   "hold one validation window; give a longer text")
 
 
 def read_ids(cache, vocab_size):
@@ -256,11 +267,11 @@ def main():
     resumed = read_resume(name, device) if args.resume else None
     if resumed:
         check_same_run(run, resumed[0]["run"], args)
-    ids = load_ids(text, tokenizer, cache_path(corpus_sha, tokenizer_sha))
+    needed = 10 * (cfg.context + 2)  # for the last 10% to hold one validation window of context + 1 tokens
+    if len(text.encode()) < needed:  # a token is at least a byte: refused before anything is tokenized or cached
+        too_few(args.corpus, f"{len(text.encode()):,} bytes", needed)
+    ids = load_ids(text, tokenizer, cache_path(corpus_sha, tokenizer_sha), args.corpus, needed)
     ids = torch.from_numpy(ids.astype(np.int64))
-    if len(ids) < 10 * (cfg.context + 2):
-        raise BadValue(f"corpus {shown(args.corpus)} gives {len(ids):,} tokens; at least {10 * (cfg.context + 2):,} are "
-                         f"needed for the last 10% to hold one {cfg.context + 1}-token validation window")
     split = int(0.9 * len(ids))
     train_ids, val_ids = ids[:split], ids[split:]
 

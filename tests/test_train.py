@@ -354,15 +354,16 @@ def test_a_corpus_or_tokenizer_that_is_not_a_bounded_regular_file_is_refused(
 
 
 @pytest.mark.parametrize("corpus, message", [
-    ("", "gives 0 tokens; at least 660 are needed for the last 10% to hold one 65-token validation window"),
-    ("Tiny corpus. " * 20, "tokens; at least 660 are needed"),
+    ("", "gives 0 bytes; at least 660 tokens are needed for the last 10% to hold one validation window"),
+    ("Tiny corpus. " * 20, "gives 260 bytes; at least 660 tokens are needed"),
+    ("Holmes " * 150, "tokens; at least 660 tokens are needed"),  # enough bytes, too few tokens
 ])
-def test_an_empty_or_tiny_corpus_is_refused_before_any_file_is_written(tmp_path, corpus, message, monkeypatch,
-                                                                       capsys, shipped_unchanged):
+def test_an_empty_or_tiny_corpus_is_refused_before_anything_is_printed_or_cached(tmp_path, corpus, message, monkeypatch,
+                                                                               capsys, shipped_unchanged):
     (tmp_path / "corpus.txt").write_text(corpus)
-    status, _, err = train(tmp_path, *TINY, monkeypatch=monkeypatch, capsys=capsys)
-    assert status == 1 and message in err.splitlines()[-1] and "Traceback" not in err
-    assert not any((tmp_path / name).exists() for name in RUN_FILES)
+    assert_refused(train(tmp_path, *TINY, monkeypatch=monkeypatch, capsys=capsys), message)
+    data = tmp_path / "data"  # the id cache's folder, made when the outputs are checked, holds nothing
+    assert set(os.listdir(tmp_path)) <= {"corpus.txt", "data"} and not (data.exists() and os.listdir(data))
 
 
 @pytest.mark.parametrize("args, message", [

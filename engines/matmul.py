@@ -8,7 +8,7 @@ runs on this device, dtype and batch, refuses any whose output is not
 nn.Linear's (within 1e-5 in float32), and keeps the fastest, once per
 (batch, device, dtype, shapes); int8 weights have candidates of their own
 (engines/int8.py), measured alike. Only candidates that won somewhere on the
-CPUs this repo meets are kept (docs/bench.md, table 3).
+CPUs this repo meets are kept (docs/bench.md: the eager products kept).
 
     python -m engines.matmul [cpu|cuda] [--batches 1 16]
 
@@ -34,7 +34,7 @@ PREPARED = weakref.WeakKeyDictionary()  # layer -> {kernel name: (weight version
 
 
 def prepared(layer, name, reorder):
-    """layer.weight reordered for a kernel (transposed, packed), kept until the weight changes."""
+    """layer.weight reordered for a kernel (packed), kept until the weight changes."""
     kept = PREPARED.setdefault(layer, {})
     w = layer.weight
     version = (w.data_ptr(), 0 if w.is_inference() else w._version)  # inference tensors keep no version
@@ -43,41 +43,8 @@ def prepared(layer, name, reorder):
     return kept[name][1]
 
 
-def times(weight_first, layer, cols):
-    """W @ cols (+ b as a column): the product with the weights on the left, (out, R)."""
-    if layer.bias is None:
-        return weight_first @ cols
-    return torch.addmm(layer.bias[:, None], weight_first, cols)
-
-
 def nn_linear(layer, rows):
     return F.linear(rows, layer.weight, layer.bias)
-
-
-def weights_left(layer, rows):
-    return times(layer.weight, layer, rows.T).T.contiguous()
-
-
-def lone_row_twice(layer, rows):
-    """A lone row fed as two, W @ [x; x].T: a BLAS may run a 2-column product faster than a 1-column one."""
-    if rows.shape[0] != 1:
-        return None
-    return times(layer.weight, layer, torch.cat((rows, rows)).T)[:, 0][None].contiguous()
-
-
-def transposed(layer, rows):
-    """rows @ W.T with W.T kept contiguous, (in, out): a plain product, no transpose for the BLAS to handle."""
-    wt = prepared(layer, "transposed", lambda w: w.T.contiguous())
-    return rows @ wt if layer.bias is None else torch.addmm(layer.bias, rows, wt)
-
-
-def matrix_vector(layer, rows):
-    """A lone row as a matrix-vector product (torch.mv, BLAS gemv)."""
-    if rows.shape[0] != 1:
-        return None
-    if layer.bias is None:
-        return torch.mv(layer.weight, rows[0])[None]
-    return torch.addmv(layer.bias, layer.weight, rows[0])[None]
 
 
 def mkl_packed(layer, rows):
@@ -105,8 +72,9 @@ def split_rows(layer, rows):
     return out.view(w.shape[0], -1).T.contiguous()
 
 
-KERNELS = {"nn": nn_linear, "left": weights_left, "twice": lone_row_twice, "transposed": transposed,
-           "mv": matrix_vector, "mkl": mkl_packed, "onednn": onednn_packed, "split": split_rows}
+# each kept because it was the fastest somewhere (docs/bench.md, "The eager products kept"): nn.Linear on an
+# Intel Xeon with AMX at one row, mkl there at 16; split on an AMD EPYC at one row, onednn there at 16
+KERNELS = {"nn": nn_linear, "mkl": mkl_packed, "onednn": onednn_packed, "split": split_rows}
 
 
 @functools.cache
@@ -195,8 +163,7 @@ def time_kernels(layers, batch, rounds=5):
     gen = torch.Generator(w.device).manual_seed(0)
     rows_dtype = torch.float32 if int8 else w.dtype
     inputs = [torch.randn(batch, layer.in_features, generator=gen, device=w.device).to(rows_dtype) for layer in layers]
-    names = [n for n in candidates if runs_here(n, w.device, w.dtype)
-             and (batch == 1 or n not in ("twice", "mv"))]  # the lone-row kernels would only be nn.Linear again
+    names = [n for n in candidates if runs_here(n, w.device, w.dtype)]
     exact_ones = [n for n in names if exact(candidates[n], layers, inputs, reference)]
     timed = timings({n: lambda kernel=candidates[n]: [kernel(layer, rows) for layer, rows in zip(layers, inputs)]
                      for n in exact_ones}, rounds, w.device, label="matrix multiplies:")

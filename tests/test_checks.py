@@ -103,7 +103,7 @@ def test_two_engines_in_two_threads_leave_the_model_as_it_was():
 
     def run(kernel):
         results.append(FastEngine(model, kernel=kernel).generate_batch([1, 2], 2, max_tokens=8, temperature=0)[0])
-    threads = [threading.Thread(target=run, args=(k,)) for k in ("transposed", "split")]
+    threads = [threading.Thread(target=run, args=(k,)) for k in ("nn", "split")]
     for t in threads:
         t.start()
     for t in threads:

@@ -40,7 +40,7 @@ def test_bf16_engine_runs_a_bf16_copy_and_leaves_the_model_as_it_was():
 @pytest.mark.parametrize("engine, message", [
     (dict(kernel="fast"), "unknown kernel 'fast'; the kernels are"),
     (dict(kernel="mkl", dtype=torch.bfloat16), "kernel 'mkl' does not run on cpu in bfloat16"),
-    (dict(kernel="left", compile=True), "inductor picks the compiled step's kernels"),
+    (dict(kernel="split", compile=True), "inductor picks the compiled step's kernels"),
     (dict(dtype=torch.float16), "float16 runs only on CUDA here; on the CPU use bfloat16"),
     (dict(kernel="mkl", dtype=torch.int8), "kernel 'mkl' does not run on cpu in int8"),
     (dict(kernel="int8pack"), "kernel 'int8pack' does not run on cpu in float32"),

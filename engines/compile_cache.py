@@ -23,7 +23,6 @@ from errors import BadPath
 import torch
 
 
-
 MAX_PACKAGE_BYTES = 2**32  # a compiled step of a model this repo runs is far smaller
 MAX_CHOICE_BYTES = 2**16  # a few ways' milliseconds
 MS_RANGE = (1e-6, 1e6)  # a step's milliseconds as measured: a nanosecond to a quarter of an hour
@@ -119,10 +118,6 @@ def step_keys(model, cache, ways):
                  sources=step_sources(model, cache))
     return {name: hashlib.sha256(json.dumps(parts | {"options": options}, sort_keys=True, default=repr).encode())
             .hexdigest() for name, options in ways.items()}
-
-
-def step_key(model, cache, options):
-    return step_keys(model, cache, {None: options})[None]
 
 
 KEY_FIELD = "tiny_gpt_step_key"  # the key a package was compiled for, in its own metadata

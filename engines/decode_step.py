@@ -95,7 +95,7 @@ class DecodeStep:
     compile: the step compiled ahead of time by AOTInductor each of the compile_ways for this device and
     batch (or each of `ways` given, {name: options as in COMPILE_WAYS}), each kept as a package in the folder
     compile_cache
-    (default: default_compile_cache()) under its step_key, and loaded from there when a package for
+    (default: default_compile_cache()) under its key (step_keys), and loaded from there when a package for
     the same key is kept: no compiling, and no dynamo guards on each step. With more than one way,
     each is timed side by side here and the fastest runs (self.way says which, self.way_ms what each
     took); the times are kept beside the packages (choice_path), so a later step for the same

@@ -18,7 +18,6 @@ from cli import run_cli
 from engines.decode_step import DecodeStep, GraphCache
 from engines.fast_engine import FastEngine
 from engines.compile_ways import compiler_missing
-from engines.compile_cache import step_key
 from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model, run_main
 from errors import CompileFailed
 from model import Config
@@ -54,6 +53,11 @@ def never_compile(monkeypatch):
     def compiled(*args, **kwargs):
         raise AssertionError("compiled, where a kept step should have been loaded")
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiled)
+
+
+def step_key(model, cache, options):
+    """The key a step compiled with `options` is kept under."""
+    return compile_cache.step_keys(model, cache, {None: options})[None]
 
 
 def assert_eager_tokens(engine, model, batch):

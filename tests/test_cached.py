@@ -129,9 +129,9 @@ def test_the_posts_order_attends_context_plus_1_keys_past_the_window(random_mode
 
 
 @pytest.mark.parametrize("name", ["rope", "mask"])
-def test_each_gotcha_prints_the_drift_the_readme_shows(name, monkeypatch, capsys):
+def test_each_gotcha_prints_the_drift_the_docs_show(name, monkeypatch, capsys):
     status, out, err = run_main(cached.main, ["cached.py", "--break", name], monkeypatch, capsys)
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "map.md")) as f:
         shown = f.read().split(f"$ python cached.py --break {name}\n")[1].splitlines()[:2]
     assert status == 0, err
     assert out.splitlines() == [line.strip() for line in shown]

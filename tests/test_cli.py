@@ -279,7 +279,7 @@ def test_the_lessons_files_import_nothing_of_the_command_line():
 
 
 SCRIPTS = ["bench.py", "bpe.py", "cached.py", "export.py", "engines/matmul.py", "engines/fast_engine.py",
-           "prefill_clone.py", "sample_grid.py", "train.py"]  # model.py and sampling.py, the lesson's, import cli only in their main
+           "prefill_clone.py", "sample_grid.py", "serve.py", "train.py"]  # model.py and sampling.py, the lesson's, import cli only in their main
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

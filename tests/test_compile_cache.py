@@ -310,7 +310,7 @@ def test_int8_weights_are_compiled_every_way_but_unfrozen_so_that_the_program_ke
         pass
 
     asked = []
-    def ask(self, way, key, folder):
+    def ask(self, way, key, folder, name):
         asked.append(way)
         return types.SimpleNamespace(loader=None), None, False
 

@@ -12,7 +12,7 @@ from conftest import ROOT
 LESSON = ["model", "bpe", "cached", "sampling", "prefill_clone"]  # the post's modules
 SCRIPTS_ON_TOP = ["sample_grid", "bench"]  # the lesson's scripts: the folder only where a flag asks for it
 BEYOND = ("engines", "transformers", "tokenizers", "gguf", "ctranslate2", "llama_cpp", "fastapi", "starlette",
-          "uvicorn", "torch._inductor")
+          "uvicorn", "openai", "torch._inductor")
 LESSON_TESTS = ["test_model", "test_bpe", "test_cached", "test_sampling", "test_prefill_clone", "test_sample_grid",
                 "test_series", "test_train"]
 

@@ -1,0 +1,107 @@
+"""The serving engine's claim on the shipped checkpoint: each request gets the tokens the Engine gives it alone.
+
+    python -m engines.serving_check [CHECKPOINT] [--chats 16] [--tokens 40] [--fixed-shapes] [--threads N]
+
+Replays seeded chats through one ServingEngine: turn 1 of every chat (a shared system prompt, a user
+line, random knobs and seed) arriving at random steps, then turn 2 of each (turn 1, its reply and a new
+line), which finds turn 1's blocks in the prefix cache. Every request is run again alone through
+prefill_clone.Engine; the check asserts the tokens agree and prints the largest difference between a
+served row's logits and the same row's alone, the prompt tokens served from the cache, and the tokens a
+second each way (those vary with the machine and its load; the tokens do not).
+"""
+import random
+import time
+
+from cli import Parser, run_cli
+
+import torch
+
+from cached import load_pair
+from engines.serving import Request, ServingEngine
+from prefill_clone import DEFAULT_PROMPT, Engine
+
+LINES = ["What do you make of the letter?", "Where were you last night, Watson?", "Tell me of the woman.",
+         "Who rang the bell at so late an hour?", "The hound, Holmes, the hound!", "Why the speckled band?"]
+KNOBS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=40),
+         dict(temperature=0.7, penalty=1.2)]
+
+
+def served(engine, arrivals):
+    """Run [(step, Request)] through engine: {id: tokens}, {id: [logits]}, {id: cached tokens}, seconds."""
+    tokens, logits, cached, pick = {}, {}, {}, engine._pick
+
+    def recording(rows, seqs):  # the logits each request's tokens are picked from
+        for row, s in zip(rows, seqs):
+            logits.setdefault(s.id, []).append(row.clone())
+        return pick(rows, seqs)
+    engine._pick, pending, step, started = recording, sorted(arrivals, key=lambda a: a[0]), 0, time.perf_counter()
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= step:
+            engine.submit(pending.pop(0)[1])
+        for event in engine.step():
+            tokens.setdefault(event.request_id, []).append(event.token)
+            cached[event.request_id] = event.cached_tokens
+        step += 1
+    engine._pick = pick
+    return tokens, logits, cached, time.perf_counter() - started
+
+
+def alone(model, tokenizer, r):
+    """r's tokens and logits from the lesson's Engine, r alone."""
+    engine, logits = Engine(model, tokenizer), []
+    pick = engine.pick
+    engine.pick = lambda rows, *rest: logits.append(rows[0].clone()) or pick(rows, *rest)
+    knobs = dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, penalty=r.penalty)
+    rows, _ = engine.generate_batch(r.prompt, 1, max_tokens=r.max_tokens, seed=r.seed, stop=r.stop, **knobs)
+    return rows[0], logits
+
+
+def compare(model, tokenizer, requests, result):
+    """Assert each request's served tokens are the Engine's alone; (largest logit difference, its scale, seconds)."""
+    tokens, logits, _, _ = result
+    worst, scale, started = 0.0, 0.0, time.perf_counter()
+    for r in requests:
+        want, want_logits = alone(model, tokenizer, r)
+        if tokens[r.id] != want:
+            raise SystemExit(f"serving_check: FAILED: request {r.id} served {tokens[r.id]}, alone {want}")
+        for got, expected in zip(logits[r.id], want_logits):
+            worst, scale = max(worst, (got - expected).abs().max().item()), max(scale, expected.abs().max().item())
+    return worst, scale, time.perf_counter() - started
+
+
+def main():
+    ap = Parser(description="Serve seeded two-turn chats at once; assert each request's tokens equal the Engine's "
+                            "for it alone; print the largest logit difference and the prefix cache's hits.")
+    ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
+    ap.add_argument("--tokenizer", default="tokenizer.json")
+    ap.add_argument("--chats", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=40, help="max_tokens of each turn")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fixed-shapes", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_pair(args.checkpoint, args.tokenizer)
+    rng, system = random.Random(args.seed), tokenizer.encode(DEFAULT_PROMPT)
+    engine = ServingEngine(model, tokenizer, fixed_shapes=args.fixed_shapes)
+    print(f"{args.checkpoint}: {args.chats} chats, {args.tokens} tokens a turn, a {len(system)}-token system prompt, "
+          f"{'fixed' if args.fixed_shapes else 'variable'} shapes, {torch.get_num_threads()} threads")
+    turn1 = [Request(f"chat{i}.1", system + tokenizer.encode(" " + rng.choice(LINES)), args.tokens,
+                     seed=rng.randrange(2**32), **rng.choice(KNOBS)) for i in range(args.chats)]
+    first = served(engine, [(rng.randrange(3 * args.chats), r) for r in turn1])
+    prompts = [r.prompt + first[0][r.id] + tokenizer.encode("\n" + rng.choice(LINES)) for r in turn1]
+    turn2 = [Request(f"chat{i}.2", p, min(args.tokens, model.cfg.context - len(p)), seed=r.seed + 1,
+                     temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, penalty=r.penalty)
+             for i, (r, p) in enumerate(zip(turn1, prompts))]
+    second = served(engine, [(rng.randrange(args.chats), r) for r in turn2])
+    for name, requests, result in (("turn 1", turn1, first), ("turn 2", turn2, second)):
+        worst, scale, seconds = compare(model, tokenizer, requests, result)
+        made, prompts = sum(len(t) for t in result[0].values()), sum(len(r.prompt) for r in requests)
+        print(f"{name}: every request's {made} tokens equal the Engine's alone; largest logit difference {worst:.3g} "
+              f"(logits up to {scale:.3g}); {sum(result[2].values())} of {prompts} prompt tokens from the cache; "
+              f"{made / result[3]:,.0f} tok/s served, {made / seconds:,.0f} tok/s one at a time")
+
+
+if __name__ == "__main__":
+    run_cli(main)

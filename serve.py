@@ -1,0 +1,122 @@
+"""Serve the checkpoint to many users at once: an OpenAI-compatible HTTP server and a chat page.
+
+    pip install -r requirements.txt -r requirements-serve.txt
+    python serve.py [CHECKPOINT] [--host 127.0.0.1] [--port 8000] [--rows 16] [--cache-mib MIB] [--queue 64]
+
+then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client at it:
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    client.completions.create(model="holmes", prompt="The night was", max_tokens=20, temperature=0)
+
+Requests run on engines/serving.py's continuous-batching engine (--rows of them decoding together, the
+rest waiting, up to --queue; one more is answered 429), whose prefix cache keeps finished requests' keys
+and values within --cache-mib, so a chat's next turn prefills only its new tokens. The HTTP side, its
+fields and its chat template are engines/server.py's. One line says when the server is ready; Ctrl-C (or
+SIGTERM) stops taking requests, finishes those in flight and exits.
+"""
+import errno
+import logging
+import os
+import socket
+import sys
+
+# first: cli.check_start says in one line what would stop torch from starting
+from cli import Parser, check_count, check_fits, run_cli
+from errors import BadValue
+
+from cached import load_pair
+from checks import cache_bytes
+from engines import peers
+
+BLOCK_SIZE = 16  # tokens a cache block holds: small blocks suit a 256-token window
+
+
+def listening_socket(host, port):
+    """A socket bound to host:port and listening (port 0: a free one), or a one-line refusal."""
+    if not 0 <= port <= 65535:
+        raise BadValue(f"--port must be in 0..65535, got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may bind while old sockets linger
+        sock.bind((host, port))
+    except socket.gaierror as e:
+        raise BadValue(f"--host {host!r} is not an address this machine knows ({e.strerror})") from None
+    except OSError as e:
+        hint = "; pick another with --port" if e.errno == errno.EADDRINUSE else ""
+        raise BadValue(f"cannot listen on {host}:{port} ({e.strerror}){hint}") from None
+    sock.listen(2048)
+    return sock
+
+
+def serve(app, sock, ready_line):
+    """Run the app on uvicorn until Ctrl-C or SIGTERM; in flight requests are finished first."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(ready_line, flush=True)
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if self.force_exit:  # Ctrl-C again: what is in flight is cut off, and uvicorn's log of each cut is noise
+                logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+
+        async def shutdown(self, sockets=None):
+            in_flight = len(app.state.engine_loop.queues)
+            print(f"serve.py: stopping; finishing the {in_flight} request(s) in flight (Ctrl-C again cuts them off)",
+                  file=sys.stderr, flush=True)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=None, lifespan="on")
+    try:
+        Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has stopped
+        pass
+    print("serve.py: stopped", file=sys.stderr)
+
+
+def main():
+    ap = Parser(description="An OpenAI-compatible server and a chat page on the continuous-batching engine.")
+    ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
+    ap.add_argument("--tokenizer", default="tokenizer.json")
+    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    ap.add_argument("--port", type=int, default=8000, help="0 picks a free one (the ready line names it)")
+    ap.add_argument("--rows", type=int, default=16, help="requests decoding together, one row each")
+    ap.add_argument("--cache-mib", type=int, default=None,
+                    help="memory for the cache blocks, the running rows' and the prefix cache's, in MiB (default: "
+                         "every row at the full window, and as much again for the prefix cache)")
+    ap.add_argument("--queue", type=int, default=64, help="requests that may wait for a row; one more is answered 429")
+    args = ap.parse_args()
+    check_count("--queue", args.queue)
+    if args.rows < 1:
+        raise BadValue(f"--rows must be at least 1, got {args.rows}")
+    for package in ("uvicorn", "starlette"):  # one missing is said in one line naming the requirements file
+        peers.engine(package)
+    from engines.blocks import blocks_per_row
+    from engines.server import create_app
+    from engines.serving import ServingEngine
+    sock = listening_socket(args.host, args.port)  # before the model loads: a port in use is said at once
+    model, tokenizer = load_pair(args.checkpoint, args.tokenizer)
+    block_bytes = cache_bytes(model.cfg, 1, BLOCK_SIZE, model.emb.weight.element_size())  # keys and values, every layer
+    least = blocks_per_row(model.cfg.context, BLOCK_SIZE)  # one request at the full window
+    blocks = 2 * args.rows * least if args.cache_mib is None else args.cache_mib * 2**20 // block_bytes
+    if blocks < least:
+        raise BadValue(f"--cache-mib {args.cache_mib} holds {blocks} blocks of {BLOCK_SIZE} tokens; one request at "
+                       f"the full window needs {least} ({-(-least * block_bytes // 2**20)} MiB)")
+    mib = blocks * block_bytes / 2**20
+    check_fits(blocks * block_bytes, f"{mib:.0f} MiB of cache blocks (--rows, --cache-mib)", model.emb.weight.device)
+    engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE, cache_blocks=blocks)
+    model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
+    app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue)
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
+    serve(app, sock, f"serve.py: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, "
+                     f"queue {args.queue}, {mib:.0f} MiB of cache blocks); Ctrl-C stops")
+
+
+if __name__ == "__main__":
+    run_cli(main)

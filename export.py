@@ -1,19 +1,8 @@
 """Hand the trained model to the engines people serve with: a Hugging Face folder, a GGUF, a CTranslate2 model.
 
-No serving engine knows this model by name, but GPT-NeoX has its shape
-(pre-norm LayerNorm blocks, exact-GELU MLP, rotary attention on the whole head,
-a sequential residual with use_parallel_residual=False), so the weights map
-onto it one to one: zero biases where Part 3 has none, the tied head written
-out as the output matrix, GQA key and value heads repeated.
-
-The trap is RoPE's layout. Part 3 rotates interleaved channel pairs (2j, 2j+1);
-GPT-NeoX rotates halves (j, j + head_dim/2). Weights copied as they are load
-without a warning and give another model. Giving each head's q and k rows the
-same permutation (evens first, then odds) fixes it: attention scores are dot
-products, unchanged when q and k are permuted alike. One level up waits the
-same trap: transformers 5 writes the rotary fraction as rope_parameters, and
-transformers 4 (and the engines' converters), not finding rotary_pct, rotate
-a quarter of each head. config.json carries both.
+The model as GPT-NeoX, the architecture with Part 3's shape, with its RoPE
+layout turned from interleaved pairs to halves (engines/hf_folder.py says
+why, and the trap one level up in config.json); this file is the command.
 
     python export.py [CHECKPOINT] [OUT_DIR] --tokenizer tokenizer.json [--force]
 

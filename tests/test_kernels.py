@@ -156,13 +156,20 @@ def test_the_graph_safe_step_reads_only_the_slots_written_so_far_and_gives_the_e
     assert read[::SMALL.n_layers] == [3] + [min(pos + 1, SMALL.context) for pos in range(3, 3 + 39)]
 
 
-@pytest.mark.parametrize("knobs", [dict(temperature=1.5, top_p=0.9, penalty=1.3),
-                                   dict(settings=[dict(temperature=0), dict(top_k=5), dict(top_k=5)])],
-                         ids=["knobs every row shares: one pick", "a row's own knobs: a pick per group"])
-def test_the_fast_engines_pick_gives_the_lesson_engines_tokens(knobs):
+def test_the_fast_engines_one_pick_for_rows_sharing_knobs_gives_the_lesson_engines_tokens():
     model = CachedGPT(SMALL).eval()
+    knobs = dict(temperature=1.5, top_p=0.9, penalty=1.3)  # FastEngine picks the rows in one call, Engine by group
     want = Engine(model).generate_batch([5, 17, 300], 3, max_tokens=12, seed=[4, 5, 6], **knobs)
     assert FastEngine(model).generate_batch([5, 17, 300], 3, max_tokens=12, seed=[4, 5, 6], **knobs) == want
+
+
+def test_rows_with_knobs_of_their_own_each_get_what_they_get_alone():
+    model = CachedGPT(SMALL).eval()
+    settings, seeds = [dict(temperature=0), dict(top_k=5), dict(top_k=5, temperature=0.7)], [4, 5, 6]
+    rows, _ = FastEngine(model).generate_batch([5, 17, 300], 3, max_tokens=12, seed=seeds, settings=settings)
+    alone = [Engine(model).generate_batch([5, 17, 300], 1, max_tokens=12, seed=seed, **knobs)[0][0]
+             for seed, knobs in zip(seeds, settings)]
+    assert rows == alone
 
 
 @pytest.mark.parametrize("name", [*INT8_KERNELS, *compile_ways.COMPILED_LINEARS])

@@ -32,8 +32,9 @@ ID_DTYPES = (torch.int64, torch.int32)  # not bool or uint8: those are masks and
 def check_knobs(temperature=1.0, top_k=0, top_p=1.0, penalty=1.0):
     """sampling.pick's four knobs, before the first token."""
     for name, value in (("temperature", temperature), ("top_p", top_p), ("penalty", penalty)):
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise BadValue(f"{name} must be a finite number, got {value!r}")
+        # an int past float's range (10**400) is no float32 scale either, and math.isfinite would raise on it
+        if type(value) not in (int, float) or abs(value) > sys.float_info.max or not math.isfinite(value):
+            raise BadValue(f"{name} must be a finite number, got {repr(value)[:40]}")
     if not (temperature == 0 or temperature >= MIN_TEMPERATURE):
         raise BadValue(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}")
     if type(top_k) is not int or top_k < 0:

@@ -87,6 +87,7 @@ def test_a_generator_makes_draws_reproducible():
     ({"temperature": float("inf")}, "temperature must be a finite number"),
     ({"top_p": float("nan")}, "top_p must be a finite number"),
     ({"penalty": float("inf")}, "penalty must be a finite number"),
+    ({"temperature": 10**400}, "temperature must be a finite number, got 1000000000"),  # past float's range
     ({"top_k": 2.0}, "top_k must be a whole number"),
     ({"top_k": -1}, "top_k must be a whole number >= 0"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),

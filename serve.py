@@ -2,6 +2,7 @@
 
     pip install -r requirements.txt -r requirements-serve.txt
     python serve.py [CHECKPOINT] [--host 127.0.0.1] [--port 8000] [--rows 16] [--cache-mib MIB] [--queue 64]
+                    [--compile] [--compile-cache DIR]
 
 then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client at it:
 
@@ -10,10 +11,12 @@ then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client a
     client.completions.create(model="holmes", prompt="The night was", max_tokens=20, temperature=0)
 
 Requests run on engines/serving.py's continuous-batching engine (--rows of them decoding together, the
-rest waiting, up to --queue; one more is answered 429), whose prefix cache keeps finished requests' keys
-and values within --cache-mib, so a chat's next turn prefills only its new tokens. The HTTP side, its
-fields and its chat template are engines/server.py's. One line says when the server is ready; Ctrl-C (or
-SIGTERM) stops taking requests, finishes those in flight and exits.
+rest waiting, up to --queue; one more is answered 429), whose prefix cache keeps requests' keys and values
+within --cache-mib, so a chat's next turn prefills only its new tokens. --compile: its decode step
+compiled (a few minutes the first time, every way worth trying timed) or loaded from the compile cache,
+before the server says it is ready. The HTTP side, its fields and its chat template are engines/server.py's.
+One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, finishes those in
+flight and exits.
 """
 import errno
 import logging
@@ -87,35 +90,42 @@ def main():
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free one (the ready line names it)")
     ap.add_argument("--rows", type=int, default=16, help="requests decoding together, one row each")
     ap.add_argument("--cache-mib", type=int, default=None,
-                    help="memory for the cache blocks, the running rows' and the prefix cache's, in MiB (default: "
-                         "every row at the full window, and as much again for the prefix cache)")
+                    help="memory for the prefix cache's blocks, in MiB, beside the rows' own (default: as much as "
+                         "the rows hold, every row at the full window)")
     ap.add_argument("--queue", type=int, default=64, help="requests that may wait for a row; one more is answered 429")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the decode step compiled (minutes the first time, then loaded from the cache)")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
     args = ap.parse_args()
     check_count("--queue", args.queue)
+    check_count("--cache-mib", args.cache_mib or 0)
     if args.rows < 1:
         raise BadValue(f"--rows must be at least 1, got {args.rows}")
     for package in ("uvicorn", "starlette"):  # one missing is said in one line naming the requirements file
         peers.engine(package)
-    from engines.blocks import blocks_per_row
+    from engines.compile_cache import check_compile_cache
     from engines.server import create_app
     from engines.serving import ServingEngine
+    compile_cache = check_compile_cache(args.compile_cache) if args.compile else None
     sock = listening_socket(args.host, args.port)  # before the model loads: a port in use is said at once
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer)
-    block_bytes = cache_bytes(model.cfg, 1, BLOCK_SIZE, model.emb.weight.element_size())  # keys and values, every layer
-    least = blocks_per_row(model.cfg.context, BLOCK_SIZE)  # one request at the full window
-    blocks = 2 * args.rows * least if args.cache_mib is None else args.cache_mib * 2**20 // block_bytes
-    if blocks < least:
-        raise BadValue(f"--cache-mib {args.cache_mib} holds {blocks} blocks of {BLOCK_SIZE} tokens; one request at "
-                       f"the full window needs {least} ({-(-least * block_bytes // 2**20)} MiB)")
-    mib = blocks * block_bytes / 2**20
-    check_fits(blocks * block_bytes, f"{mib:.0f} MiB of cache blocks (--rows, --cache-mib)", model.emb.weight.device)
-    engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE, cache_blocks=blocks)
+    itemsize, context = model.emb.weight.element_size(), model.cfg.context
+    rows_bytes = cache_bytes(model.cfg, args.rows, context, itemsize)  # keys and values, every layer
+    block_bytes = cache_bytes(model.cfg, 1, BLOCK_SIZE, itemsize)
+    blocks = rows_bytes // block_bytes if args.cache_mib is None else args.cache_mib * 2**20 // block_bytes
+    mib = (rows_bytes + blocks * block_bytes) / 2**20
+    check_fits(rows_bytes + blocks * block_bytes, f"{mib:.0f} MiB of cache (--rows, --cache-mib)", model.emb.weight.device)
+    engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE, cache_blocks=blocks,
+                           compile=args.compile, compile_cache=compile_cache)
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
     app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
-    serve(app, sock, f"serve.py: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, "
-                     f"queue {args.queue}, {mib:.0f} MiB of cache blocks); Ctrl-C stops")
+    rows = ", ".join(map(str, engine.steps))
+    step = f"the decode step compiled for {rows} rows" if args.compile else f"the decode step eager, for {rows} rows"
+    serve(app, sock, f"serve.py: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, queue {args.queue}, "
+                     f"{mib:.0f} MiB of cache, {blocks} blocks of it the prefix cache's; {step}); Ctrl-C stops")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""Continuous batching on the lesson's model: requests join and leave at any step, over a paged, prefix-cached KV cache.
+"""Continuous batching on the lesson's model: requests join and leave at any step, with a prefix cache.
 
-Each step() is one forward of CachedGPT.step, the lesson's, on a BlockCache (engines/blocks_cache.py):
-one token for every running row, each at its own position, and, within a budget of prefill_chunk
-tokens, the next chunk of the prompts being prefilled, so a long prompt never stalls the rows already
-decoding. A prompt's full blocks that an earlier request computed (the same tokens from the start: a
-chat's earlier turns, a shared system prompt) are reused from the pool, not computed again
-(engines/blocks.py); the prompt's last token always runs, for the logits of the first new token.
+Each request admitted has a row of the cache to itself (engines/row_cache.py). Each step() runs the
+decode step, one token for every running row, each at its own position: DecodeStep, the graph-safe step
+FastEngine runs, compiled (or loaded from the compile cache) with compile=True. Beside it, within a
+budget of prefill_chunk tokens, the next chunk of each prompt being prefilled runs into its row, a
+forward of its own (the lesson's CachedGPT.step at batch 1), so a long prompt never stalls the rows
+already decoding. A prompt's full blocks that an earlier request computed (the same tokens from the
+start: a chat's earlier turns, a shared system prompt) are copied into its row from the prefix cache,
+not computed again (engines/blocks.py); the prompt's last token always runs, for the logits of the
+first new token.
 
 Exact: each request's tokens are those of prefill_clone.Engine for that request alone, whatever else
 runs: its own generator seeded with its seed (the Engine's row 0), its knobs, picked by the Engine's own
@@ -16,12 +19,14 @@ the same thing (docs/serving_engine.md says why, and what the tests prove).
 Single-threaded by design: submit, cancel and step must be called from one thread (a server runs step()
 in a loop of its own and passes each Event to its client).
 
-    engine = ServingEngine(model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=64)
+    engine = ServingEngine(model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=64,
+                           compile=False)
     engine.submit(Request("a", tokenizer.encode("The night was"), max_tokens=20, seed=0, temperature=0.8))
     while engine.has_work():
         for event in engine.step():
             print(event.request_id, event.text, event.finish_reason)
 """
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,8 +35,9 @@ from errors import BadValue
 import torch
 
 from checks import check_request
-from engines.blocks import BlockPool, block_digest, blocks_per_row, digests_of
-from engines.blocks_cache import BlockCache
+from engines.blocks import PrefixCache, block_digest, blocks_per_row, digests_of
+from engines.decode_step import DecodeStep, GraphCache
+from engines.row_cache import BlockStore, decode_batches, first_rows, prompt_step
 from engines.serving_text import TextStream
 from model import check_finite
 from prefill_clone import Engine
@@ -64,8 +70,8 @@ class Event:
 
 
 class Sequence:
-    """One request's row: its tokens (prompt, then new ones), knobs, generator and blocks. tokens and n_prompt
-    are what prefill_clone's stop rule reads of a row."""
+    """One request: its tokens (prompt, then new ones), knobs, generator, row of the cache and the digests of
+    that row's full blocks. tokens and n_prompt are what prefill_clone's stop rule reads of a row."""
 
     def __init__(self, request, tokens, seed, knobs, stop_ids, stop_texts, stops_at, vocab, block_size, device):
         self.id, self.max_tokens, self.knobs = request.id, request.max_tokens, knobs
@@ -73,8 +79,8 @@ class Sequence:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.stop_ids, self.stops_at, self.text = stop_ids, stops_at, TextStream(vocab, stop_texts)
         self.prompt_digests = digests_of(self.tokens, block_size)
-        self.blocks, self.digests = [], []  # block table; digests of its leading full blocks
-        self.computed = self.cached = self.promised = 0  # positions in the cache; of them, reused; blocks reserved
+        self.row, self.digests = None, []  # its row of the cache; the digests of the row's leading full blocks
+        self.computed = self.cached = 0  # positions whose keys are in its row; of them, copied from the prefix cache
 
     def event(self, token, text, finish_reason):
         return Event(self.id, token, text, finish_reason, self.n_prompt, self.cached, len(self.tokens) - self.n_prompt)
@@ -87,27 +93,32 @@ def whole(name, value, least):
 
 
 class ServingEngine:
-    """max_rows: requests admitted at once (decoding or prefilling). block_size: positions a block holds.
-    cache_blocks: the pool's size, the memory budget (engines.blocks.blocks_for_bytes turns bytes into it);
-    default: room for every row at the full window, and as much again kept for the prefix cache.
-    prefill_chunk: prompt tokens computed a step, beside the decoding rows. fixed_shapes: every forward
-    max_rows + prefill_chunk rows (padded) over the whole window, so a row's logits are bit-identical
-    whatever else runs (batch invariance, tested), and the step has one shape to compile; it costs the
-    padding's work (on a 2-core CPU, serving the shipped model 4 to 7 times slower: docs/serving_engine.md)."""
+    """max_rows: requests admitted at once (decoding or prefilling), a row of the full window each.
+    block_size: positions a block of the prefix cache holds. cache_blocks: the prefix cache's blocks, its
+    memory budget (engines.blocks.blocks_for_bytes turns bytes into it); default: as many as the rows hold.
+    prefill_chunk: prompt tokens computed a step, beside the decoding rows. compile, compile_cache: the
+    decode step compiled ahead of time (DecodeStep), loaded from compile_cache where it is kept already.
+    fixed_shapes: a prompt fed a token a step through the decode step, every step all max_rows rows over
+    the whole window, so a row's logits are bit-identical whatever else runs (batch invariance, tested);
+    it costs a step for every prompt token and the whole window's reads in every step."""
 
     def __init__(self, model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=64, *,
-                 fixed_shapes=False):
+                 fixed_shapes=False, compile=False, compile_cache=None):
         self.model, self.tokenizer = model, tokenizer
         self.lesson = Engine(model, tokenizer)  # its checks, stop rule and pick: the same rules, not copies
         self.max_rows = whole("max_rows", max_rows, 1)
         self.block_size = whole("block_size", block_size, 1)
         self.prefill_chunk = whole("prefill_chunk", prefill_chunk, 1)
-        self.per_row, self.fixed_shapes = blocks_per_row(model.cfg.context, block_size), bool(fixed_shapes)
-        cache_blocks = 2 * max_rows * self.per_row if cache_blocks is None else cache_blocks
-        whole("cache_blocks", cache_blocks, self.per_row)  # fewer could never hold one request at the full window
-        self.pool = BlockPool(cache_blocks, block_size)
-        self.cache = BlockCache.for_model(model, cache_blocks, block_size)
+        self.fixed_shapes, context = bool(fixed_shapes), model.cfg.context
+        cache_blocks = max_rows * blocks_per_row(context, block_size) if cache_blocks is None else cache_blocks
+        self.prefix = PrefixCache(whole("cache_blocks", cache_blocks, 0))
+        self.store = BlockStore.for_model(model, cache_blocks, block_size)
+        self.rows = GraphCache.for_model(model, max_rows, context)
+        # {rows: the decode step over the cache's first rows}, the fewest first (one, max_rows, with fixed_shapes)
+        self.steps = {n: DecodeStep(model, first_rows(self.rows, n), compile=compile, compile_cache=compile_cache)
+                      for n in ([max_rows] if fixed_shapes else decode_batches(max_rows))}
         self.device = model.emb.weight.device
+        self.free_rows = list(range(max_rows))  # a heap: the lowest free row is given first
         self.waiting, self.prefilling, self.running = deque(), [], []
         self.active, self.cancelling = {}, set()
         self.prompt_tokens_computed = self.prompt_tokens_cached = 0  # totals, for a benchmark
@@ -139,8 +150,8 @@ class ServingEngine:
         self.active[request.id] = sequence
 
     def cancel(self, request_id):
-        """A client that hung up: its row and blocks are freed at the next step (which says so in an Event).
-        An id that is not queued or running (finished already, or never seen) is ignored."""
+        """A client that hung up: its row is freed at the next step (which says so in an Event). An id that
+        is not queued or running (finished already, or never seen) is ignored."""
         if request_id in self.active:
             self.cancelling.add(request_id)
 
@@ -149,102 +160,84 @@ class ServingEngine:
 
     @torch.inference_mode()
     def step(self):
-        """One forward: every running row's next token, and a chunk of prefill; the Events of this step."""
+        """One decode step for every running row, and a chunk of prefill; the Events of this step."""
         events = [self._drop(self.active[i], "cancelled") for i in sorted(self.cancelling)]
-        decoding, chunks = list(self.running), self._plan_prefill()
-        if not decoding and not chunks:
-            return events
-        rows = [(s, s.computed) for s in decoding] + [(s, p) for s, start, end in chunks for p in range(start, end)]
-        for s, position in rows:
-            self._grow(s, position + 1)
-        logits = self._forward(rows)
-        pickers, row = [(i, s) for i, s in enumerate(decoding)], len(decoding)
+        chunks = self._plan_prefill()  # admits newcomers: with fixed_shapes, their prompts go through the decode step
+        decoding = self.prefilling + self.running if self.fixed_shapes else list(self.running)
+        picks = []  # (logits, sequence) of each row whose next token is picked now
+        if decoding:
+            logits = self._decode(decoding)
+            picks += [(logits[s.row], s) for s in decoding if s.computed == len(s.tokens) - 1]
+            for s in decoding:
+                self.prompt_tokens_computed += s.computed < s.n_prompt
+                s.computed += 1
         for s, start, end in chunks:
-            row += end - start
+            logits = prompt_step(self.model, self.rows, s.row, s.tokens[start:end], start)
             self.prompt_tokens_computed += end - start
+            s.computed = end
             if end == s.n_prompt:  # the prompt's last position: its logits give the first new token
-                pickers.append((row - 1, s))
-        for s, position in rows:
-            s.computed = position + 1
-        if pickers:
-            seqs = [s for _, s in pickers]
-            for s, token in zip(seqs, self._pick(logits[[i for i, _ in pickers]], seqs)):
+                picks.append((logits, s))
+        if picks:
+            seqs = [s for _, s in picks]
+            for s, token in zip(seqs, self._pick(torch.stack([row for row, _ in picks]), seqs)):
                 events.append(self._advance(s, token))
         for s in self.prefilling + self.running:
-            self._register_full_blocks(s)
+            self._keep_full_blocks(s)
         return events
+
+    def _decode(self, decoding):
+        """The decode step over the fewest first rows that hold every decoding row: each decoding row feeds its
+        next token at its own position; the others (prefilling, or free) a token at the first position they
+        have not written, which the keys that belong there overwrite before anything reads them. Logits
+        (rows, vocab)."""
+        n = next(n for n in self.steps if n > max(s.row for s in decoding))
+        tokens, positions = [0] * n, [0] * n
+        for s in self.prefilling + self.running:
+            if s.row < n:
+                positions[s.row] = s.computed
+        for s in decoding:
+            tokens[s.row] = s.tokens[s.computed]
+        self.rows.cache_seqlens[:n].copy_(torch.tensor(positions))
+        last = self.model.cfg.context - 1 if self.fixed_shapes else max(s.computed for s in decoding)
+        return self.steps[n](torch.tensor(tokens, device=self.device).view(-1, 1), last)
 
     def _plan_prefill(self):
         """(sequence, first, end) prompt positions to compute this step: the prompts already being prefilled
-        first, in order, then new ones, admitted while the budget, the rows and the pool allow (first come,
-        first served: one that must wait holds back those behind it)."""
+        first, in order, then new ones, admitted while the budget and the rows allow (first come, first
+        served: one that must wait holds back those behind it). With fixed_shapes: admissions only."""
         budget, chunks = self.prefill_chunk, []
-        for s in self.prefilling:
+        for s in [] if self.fixed_shapes else self.prefilling:
             take = min(budget, s.n_prompt - s.computed)
             if take:
                 chunks.append((s, s.computed, s.computed + take))
                 budget -= take
         # full blocks some prompt computes now: a newcomer whose next block is one of them waits a step and reuses it
         pending = {d for s in self.prefilling for d in s.prompt_digests[s.computed // self.block_size:]}
-        while budget and self.waiting and len(self.prefilling) + len(self.running) < self.max_rows:
+        while (budget or self.fixed_shapes) and self.waiting and self.free_rows:
             s = self.waiting[0]
             if not self._admit(s, pending):
                 break
             self.waiting.popleft()
             self.prefilling.append(s)
-            take = min(budget, s.n_prompt - s.computed)
-            chunks.append((s, s.computed, s.computed + take))
-            budget -= take
             pending.update(s.prompt_digests[s.computed // self.block_size:])
+            if not self.fixed_shapes:
+                take = min(budget, s.n_prompt - s.computed)
+                chunks.append((s, s.computed, s.computed + take))
+                budget -= take
         return chunks
 
     def _admit(self, s, pending):
-        """Give s the longest cached prefix of its prompt and reserve every block it may need; False if it must wait."""
-        bs = self.block_size
-        hits = self.pool.match(s.prompt_digests)
+        """Give s a row and copy the longest cached prefix of its prompt into it; False if it must wait."""
+        hits = self.prefix.match(s.prompt_digests)
         if len(hits) < len(s.prompt_digests) and s.prompt_digests[len(hits)] in pending:
             return False
-        # A prompt cached in full (nano-vllm's crash) still runs its last token, for its logits: in a copy
-        # of the last block, as the cached block is shared and keeps the keys it has.
-        copy = len(hits) * bs == s.n_prompt
-        need = -(-(s.n_prompt + s.max_tokens - 1) // bs) - len(hits) + copy  # the last token is never fed
-        if copy and self.pool.available() - self.pool.idle_among(hits) < need:
-            hits, copy = hits[:-1], False  # no room to hold the cached block while it is copied: recompute it
-        if self.pool.available() - self.pool.idle_among(hits) < need:
-            return False
-        self.pool.hold(hits)
-        self.pool.reserve(need)
-        s.blocks, s.digests, s.promised, s.computed = list(hits), s.prompt_digests[:len(hits)], need, len(hits) * bs
-        if copy:
-            s.blocks[-1] = self._take(s)
-            self.cache.copy_block(hits[-1], s.blocks[-1])
-            self.pool.release(hits[-1:])
-            s.digests.pop()
-            s.computed -= 1
-        s.cached = s.computed
+        s.row = heapq.heappop(self.free_rows)
+        self.store.load(self.rows, s.row, hits)
+        s.digests, s.computed = s.prompt_digests[:len(hits)], len(hits) * self.block_size
+        # a prompt cached in full (nano-vllm's crash) still runs its last token, for its logits
+        s.computed = s.cached = min(s.computed, s.n_prompt - 1)
         self.prompt_tokens_cached += s.cached
         return True
-
-    def _take(self, s):
-        s.promised -= 1
-        return self.pool.take()
-
-    def _grow(self, s, positions):
-        """Blocks enough for s's first `positions` positions, from its reservation."""
-        while len(s.blocks) * self.block_size < positions:
-            s.blocks.append(self._take(s))
-
-    def _forward(self, rows):
-        """model.step on one token a row, each at its own position, reading through its sequence's block table;
-        with fixed_shapes, padded with rows that write to the spare block and are never read."""
-        width = self.per_row if self.fixed_shapes else max(len(s.blocks) for s, _ in rows)
-        pad = self.max_rows + self.prefill_chunk - len(rows) if self.fixed_shapes else 0
-        spare = self.cache.spare
-        tables = [s.blocks + [spare] * (width - len(s.blocks)) for s, _ in rows] + [[spare] * width] * pad
-        positions = torch.tensor([p for _, p in rows] + [0] * pad, device=self.device)
-        tokens = torch.tensor([[s.tokens[p]] for s, p in rows] + [[0]] * pad, device=self.device)
-        self.cache.set_rows(torch.tensor(tables, device=self.device), positions)
-        return self.model.step(tokens, self.cache, positions)[:len(rows)]
 
     def _pick(self, logits, seqs):
         """One token per sequence, as the Engine picks it for that request alone: rows without a repetition
@@ -277,21 +270,24 @@ class ServingEngine:
         return s.event(token, s.text.push(token), None)
 
     def _drop(self, s, reason, token=None, text=""):
-        """s is done: its full blocks stay cached for later prompts, the rest of its blocks go back to the pool."""
+        """s is done: its full blocks are kept in the prefix cache for later prompts, its row freed."""
         for queue in (self.waiting, self.prefilling, self.running):
             if s in queue:
                 queue.remove(s)
-        self._register_full_blocks(s)
-        self.pool.release(s.blocks)
-        self.pool.unreserve(s.promised)
-        s.blocks, s.promised = [], 0
+        if s.row is not None:
+            self._keep_full_blocks(s)
+            heapq.heappush(self.free_rows, s.row)
+            s.row = None
         del self.active[s.id]
         self.cancelling.discard(s.id)
         return s.event(token, text, reason)
 
-    def _register_full_blocks(self, s):
-        """Give each of s's blocks whose every position's keys are written its digest, so later prompts find it."""
+    def _keep_full_blocks(self, s):
+        """Copy each of s's blocks whose every position's keys are written into the prefix cache, so later
+        prompts find it."""
         bs = self.block_size
         for i in range(len(s.digests), s.computed // bs):
             s.digests.append(block_digest(s.digests[-1] if i else b"", s.tokens[i * bs:(i + 1) * bs]))
-            self.pool.register(s.blocks[i], s.digests[-1])
+            block = self.prefix.keep(s.digests)
+            if block is not None:
+                self.store.save(self.rows, s.row, i, block)

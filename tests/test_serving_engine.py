@@ -7,16 +7,15 @@ depends on the machine's speed: every check counts tokens, steps, blocks or bits
 import functools
 import random
 import re
-from collections import Counter
 from dataclasses import fields
 
 import pytest
 import torch
 
 from bpe import BPE
-from conftest import COMPILED, TOKENIZER, compiled_model
+from conftest import COMPILED, COMPILED_ROWS, TOKENIZER, compiled_model
 from errors import BadValue
-from engines.blocks import BlockPool, blocks_for_bytes, digests_of
+from engines.blocks import PrefixCache, blocks_for_bytes, digests_of
 from engines.serving import Event, Request, ServingEngine
 from engines.serving_text import TextStream
 from prefill_clone import Engine
@@ -77,19 +76,18 @@ def recording(engine):
     return seen
 
 
-def check_pool(engine):
-    """The pool's books balance: every block free, idle or held, held as often as block tables name it."""
-    pool = engine.pool
-    assert sorted(pool.free + list(pool.idle) + [b for b in range(pool.n_blocks) if pool.refs[b]]) == \
-        list(range(pool.n_blocks))
-    named = Counter(b for s in engine.active.values() for b in s.blocks)
-    assert all(pool.refs[b] == named[b] for b in range(pool.n_blocks))
-    assert pool.promised == sum(s.promised for s in engine.active.values()) and pool.available() >= 0
-    assert len(engine.prefilling) + len(engine.running) <= engine.max_rows
+def check_books(engine):
+    """The rows' and the store's books balance: every row free or held by one admitted request, every
+    stored block free or holding one digest."""
+    admitted = engine.prefilling + engine.running
+    assert sorted(engine.free_rows + [s.row for s in admitted]) == list(range(engine.max_rows))
+    assert all(s.row is None for s in engine.waiting)
+    prefix = engine.prefix
+    assert sorted(prefix.free + list(prefix.blocks.values())) == list(range(prefix.n_blocks))
 
 
 def serve(engine, arrivals):
-    """Run arrivals [(step, request), ...] to the end, checking the pool after every step: {id: [events]}."""
+    """Run arrivals [(step, request), ...] to the end, checking the books after every step: {id: [events]}."""
     pending, events, step = sorted(arrivals, key=lambda a: a[0]), {}, 0
     while pending or engine.has_work():
         while pending and pending[0][0] <= step:
@@ -98,7 +96,7 @@ def serve(engine, arrivals):
             events[r.id] = []
         for e in engine.step():
             events.setdefault(e.request_id, []).append(e)
-        check_pool(engine)
+        check_books(engine)
         step += 1
         assert step < 1000, "the engine stalls"
     return events
@@ -133,7 +131,7 @@ def check_events(r, events):
 
 def random_trial(seed):
     """Requests with random prompts (some sharing a start), knobs, seeds, stops and arrival steps, and an
-    engine of random shape (a pool as small as one window's blocks included)."""
+    engine of random shape (a prefix cache as small as one window's blocks, or none, included)."""
     rng = random.Random(seed)
     bases = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(2)]
     arrivals = []
@@ -154,7 +152,7 @@ def random_trial(seed):
     block_size = rng.choice([1, 3, 4, 16])
     per_row = -(-CONTEXT // block_size)
     shape = dict(max_rows=rng.choice([1, 2, 3, 8]), block_size=block_size, prefill_chunk=rng.choice([1, 4, 7, 64]),
-                 cache_blocks=rng.choice([None, per_row, per_row + 3]))
+                 cache_blocks=rng.choice([None, 0, per_row, per_row + 3]))
     return arrivals, shape
 
 
@@ -167,12 +165,26 @@ def test_every_request_gets_the_tokens_the_engine_gives_it_alone_whatever_arrive
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
         check_events(r, events[r.id])
-    assert engine.pool.in_use() == 0 and engine.pool.promised == 0
+    assert sorted(engine.free_rows) == list(range(engine.max_rows)) and not engine.active
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_on_the_compiled_decode_step_every_request_still_gets_the_engines_tokens(seed, compiled):
+    """The decode step FastEngine compiled for COMPILED_ROWS rows, loaded from the compile cache (one program for
+    both: the same cache), and the steps over fewer rows compiled ahead, serving random arrivals."""
+    arrivals, shape = random_trial(seed)
+    engine = ServingEngine(compiled.model, TOK, **{**shape, "max_rows": COMPILED_ROWS}, compile=True,
+                           compile_cache=compiled.folder)
+    assert all(step.loaded for step in engine.steps.values()) and list(engine.steps) == [1, 2, COMPILED_ROWS]
+    events = serve(engine, arrivals)
+    for _, r in arrivals:
+        assert tokens(events[r.id]) == alone(r), (r.id, shape)
+        check_events(r, events[r.id])
 
 
 def test_served_logits_stay_within_a_small_distance_of_the_engine_alone():
-    """Not bit-identical: a served row runs in a batch of other rows (other matrix shapes), a prompt as rows
-    of one token, each key read through a mask. docs/serving_engine.md names the difference measured here."""
+    """Not bit-identical: a served row runs in a batch of other rows (other matrix shapes), a prompt in
+    chunks, each key read through a mask. docs/serving_engine.md names the difference measured here."""
     arrivals, shape = random_trial(0)
     worst, wanted = 0.0, {r.id: alone_logits(r) for _, r in arrivals}
     for fixed_shapes in (False, True):
@@ -271,27 +283,25 @@ def test_conversations_sharing_a_system_prompt_compute_it_once_even_when_they_ar
     assert all(tokens(events[c.id]) == alone(c) for c in chats)
 
 
-def test_two_requests_sharing_a_prefix_run_side_by_side_on_the_same_blocks():
+def test_two_requests_sharing_a_prefix_run_side_by_side_the_second_on_the_firsts_blocks():
     prefix = list(range(800, 808))
     a = request("a", prefix + [1, 2, 3], 12, seed=1, temperature=1.0)
     b = request("b", prefix + [4, 5], 12, seed=2, temperature=1.0)
     engine = ServingEngine(MODEL, TOK, max_rows=2, block_size=4)
-    shared, step = [], engine.step
+    together, step = [], engine.step
 
     def step_and_look():
         events = step()
-        a_row, b_row = engine.active.get("a"), engine.active.get("b")
-        if a_row in engine.running and b_row in engine.running:
-            shared.append((a_row.blocks[:2] == b_row.blocks[:2], engine.pool.in_use() == len(a_row.blocks) +
-                           len(b_row.blocks) - 2))
+        together.append({e.request_id for e in events} == {"a", "b"})
         return events
     engine.step = step_and_look
     events = serve(engine, [(0, a), (0, b)])
-    assert cached_tokens(events, "b") == 8 and tokens(events["a"]) == alone(a) and tokens(events["b"]) == alone(b)
-    assert len(shared) >= 10 and set(shared) == {(True, True)}  # both decoding, on the prefix's two blocks
+    assert cached_tokens(events, "b") == 8 and engine.prompt_tokens_computed == 11 + 2
+    assert tokens(events["a"]) == alone(a) and tokens(events["b"]) == alone(b)
+    assert sum(together) >= 10  # both decoding in the same steps
 
 
-def test_a_small_pool_evicts_the_least_recently_used_blocks_and_stays_exact():
+def test_a_small_store_evicts_the_least_recently_used_blocks_and_stays_exact():
     engine = ServingEngine(MODEL, TOK, max_rows=2, block_size=4, cache_blocks=10)
     old = request("old", list(range(900, 912)), 4, seed=1, temperature=1.0)
     again = request("again", old.prompt + [5], 4, seed=2, temperature=1.0)
@@ -304,22 +314,22 @@ def test_a_small_pool_evicts_the_least_recently_used_blocks_and_stays_exact():
         assert tokens(events[r.id]) == alone(r)
 
 
-def test_a_prompt_cached_in_full_runs_even_when_the_pool_is_one_window():
-    """nano-vllm's crash, in a pool too small to hold the cached block while a copy of it is made."""
+def test_a_prompt_cached_in_full_runs_its_last_token_again_in_a_store_of_one_window():
+    """nano-vllm's crash: every block of the prompt cached, in a store with room for one window only."""
     prompt = list(range(1000, 1016))
     engine = ServingEngine(MODEL, TOK, block_size=4, cache_blocks=8)
     a, b = request("a", prompt, 16), request("b", prompt, 16, seed=5, temperature=1.0)
     events = serve(engine, [(0, a), (40, b)])
-    assert cached_tokens(events, "b") == 12 and tokens(events["b"]) == alone(b)
+    assert cached_tokens(events, "b") == 15 and tokens(events["b"]) == alone(b)
 
 
 @pytest.mark.parametrize("when, rows", [(0, 1), (2, 2), (7, 2)], ids=["while waiting", "mid-prefill", "mid-decode"])
-def test_a_cancelled_request_frees_its_row_and_blocks_at_the_next_step(when, rows):
+def test_a_cancelled_request_frees_its_row_at_the_next_step(when, rows):
     engine = ServingEngine(MODEL, TOK, max_rows=rows, block_size=4, cache_blocks=16, prefill_chunk=4)
     other, gone = request("other", [4, 5, 6], 20, seed=9, temperature=1.0), request("gone", list(range(1100, 1120)), 10)
     engine.submit(other)
     made = [e.token for e in engine.step()]
-    before = engine.pool.available()  # what other's growing leaves as it is: it takes what it reserved
+    before = list(engine.free_rows)
     engine.submit(gone)
     steps = [engine.step() for _ in range(when)]
     assert sum(e.request_id == "gone" for events in steps for e in events) == (3 if when == 7 else 0)
@@ -327,7 +337,7 @@ def test_a_cancelled_request_frees_its_row_and_blocks_at_the_next_step(when, row
     engine.cancel("never-seen")  # a hang-up racing a finish: ignored
     events = engine.step()
     assert [(e.token, e.text, e.finish_reason) for e in events if e.request_id == "gone"] == [(None, "", "cancelled")]
-    assert "gone" not in engine.active and engine.pool.available() == before
+    assert "gone" not in engine.active and engine.free_rows == before
     made += [e.token for events in steps + [events] for e in events if e.request_id == "other"]
     made += tokens(serve(engine, [])["other"]) if engine.has_work() else []
     assert made == alone(other)
@@ -379,10 +389,10 @@ def test_a_bad_request_is_refused_in_one_line_before_it_is_queued(change, messag
 @pytest.mark.parametrize("settings, message", [
     (dict(max_rows=0), "max_rows must be a whole number >= 1"),
     (dict(block_size=1.5), "block_size must be a whole number >= 1"),
-    (dict(cache_blocks=7, block_size=4), "cache_blocks must be a whole number >= 8, got 7"),
+    (dict(cache_blocks=-1), "cache_blocks must be a whole number >= 0, got -1"),
     (dict(prefill_chunk=True), "prefill_chunk must be a whole number >= 1"),
 ])
-def test_an_engine_too_small_to_serve_one_window_is_refused(settings, message):
+def test_an_engine_of_a_shape_that_cannot_be_is_refused(settings, message):
     with pytest.raises(BadValue, match=re.escape(message)):
         ServingEngine(MODEL, TOK, **settings)
 
@@ -406,20 +416,17 @@ def test_the_interface_the_server_reads():
                                                 "cached_tokens", "completion_tokens"]
     engine = ServingEngine(MODEL, TOK)
     assert not engine.has_work() and engine.step() == []
-    assert engine.pool.n_blocks == 2 * 16 * 2  # default: every row at the full window, and as much again
-    assert blocks_for_bytes(MODEL, engine.cache.nbytes(), 16) == engine.pool.n_blocks + 1  # the spare block too
+    assert engine.prefix.n_blocks == 16 * 2  # default: as many blocks as the 16 rows of the full window hold
+    assert blocks_for_bytes(MODEL, engine.store.nbytes(), 16) == engine.prefix.n_blocks
 
 
-def test_the_pool_evicts_least_recently_released_first_and_a_chains_tail_before_its_head():
-    pool = BlockPool(4, 2)
+def test_the_prefix_cache_evicts_the_least_recently_used_first_and_a_chains_tail_before_its_head():
+    prefix = PrefixCache(4)
     digests = digests_of([1, 2, 3, 4, 5, 6], 2)
     assert digests_of([1, 2, 3, 4, 9, 9], 2)[:2] == digests[:2] and digests_of([9, 2, 3, 4], 2)[1] != digests[1]
-    pool.reserve(3)
-    chain = [pool.take() for _ in range(3)]
-    for block, digest in zip(chain, digests):
-        pool.register(block, digest)
-    pool.release(chain)  # tail first: the idle list is tail, middle, head
-    assert list(pool.idle) == chain[::-1] and pool.match(digests) == chain and pool.available() == 4
-    pool.reserve(2)
-    assert pool.take() not in chain and pool.take() == chain[2]  # the one never-used block, then the tail
-    assert pool.match(digests) == chain[:2]  # the head and middle still reachable
+    chain = [prefix.keep(digests[:i + 1]) for i in range(3)]
+    assert chain == [0, 1, 2] and list(prefix.blocks.values()) == chain[::-1]  # the tail the least recently used
+    assert prefix.keep(digests[:2]) is None and prefix.match(digests) == chain  # known already
+    other = digests_of([9, 9, 9, 9], 2)
+    assert prefix.keep(other[:1]) == 3 and prefix.keep(other[:2]) == chain[2]  # the free block, then the tail's
+    assert prefix.match(digests) == chain[:2]  # the head and middle still reachable

@@ -2,7 +2,7 @@
 
     pip install -r requirements.txt -r requirements-serve.txt
     python serve.py [CHECKPOINT] [--host 127.0.0.1] [--port 8000] [--rows 16] [--cache-mib MIB] [--queue 64]
-                    [--compile] [--compile-cache DIR]
+                    [--prefill-chunk 128] [--eager] [--compile-cache DIR]
 
 then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client at it:
 
@@ -12,9 +12,10 @@ then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client a
 
 Requests run on engines/serving.py's continuous-batching engine (--rows of them decoding together, the
 rest waiting, up to --queue; one more is answered 429), whose prefix cache keeps requests' keys and values
-within --cache-mib, so a chat's next turn prefills only its new tokens. --compile: its decode step
-compiled (a few minutes the first time, every way worth trying timed) or loaded from the compile cache,
-before the server says it is ready. The HTTP side, its fields and its chat template are engines/server.py's.
+within --cache-mib, so a chat's next turn prefills only its new tokens. Its decode steps are compiled
+(about ten minutes on 2 cores the first time, every way worth trying timed) or loaded from the compile
+cache before the server says it is ready; --eager (or no C++ compiler here) runs them eager instead,
+several times slower under load. The HTTP side, its fields and its chat template are engines/server.py's.
 One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, finishes those in
 flight and exits.
 """
@@ -93,8 +94,12 @@ def main():
                     help="memory for the prefix cache's blocks, in MiB, beside the rows' own (default: as much as "
                          "the rows hold, every row at the full window)")
     ap.add_argument("--queue", type=int, default=64, help="requests that may wait for a row; one more is answered 429")
-    ap.add_argument("--compile", action="store_true",
-                    help="run the decode step compiled (minutes the first time, then loaded from the cache)")
+    ap.add_argument("--prefill-chunk", type=int, default=128,
+                    help="prompt tokens computed a step beside the decoding rows (more: a prompt's first token "
+                         "sooner, the running rows' next later)")
+    ap.add_argument("--eager", action="store_true",
+                    help="run the decode step eager: no compiling (by default it is compiled the first time, minutes, "
+                         "then loaded from the compile cache)")
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
     args = ap.parse_args()
@@ -102,12 +107,20 @@ def main():
     check_count("--cache-mib", args.cache_mib or 0)
     if args.rows < 1:
         raise BadValue(f"--rows must be at least 1, got {args.rows}")
+    if args.prefill_chunk < 1:
+        raise BadValue(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     for package in ("uvicorn", "starlette"):  # one missing is said in one line naming the requirements file
         peers.engine(package)
     from engines.compile_cache import check_compile_cache
+    from engines.compile_ways import compiler_missing
     from engines.server import create_app
     from engines.serving import ServingEngine
-    compile_cache = check_compile_cache(args.compile_cache) if args.compile else None
+    compile = not args.eager
+    if compile and (missing := compiler_missing("cpu")):
+        print(f"serve.py: {missing}; the decode step runs eager (--eager says so and quiets this line)",
+              file=sys.stderr)
+        compile = False
+    compile_cache = check_compile_cache(args.compile_cache) if compile else None
     sock = listening_socket(args.host, args.port)  # before the model loads: a port in use is said at once
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer)
     itemsize, context = model.emb.weight.element_size(), model.cfg.context
@@ -117,13 +130,13 @@ def main():
     mib = (rows_bytes + blocks * block_bytes) / 2**20
     check_fits(rows_bytes + blocks * block_bytes, f"{mib:.0f} MiB of cache (--rows, --cache-mib)", model.emb.weight.device)
     engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE, cache_blocks=blocks,
-                           compile=args.compile, compile_cache=compile_cache)
+                           prefill_chunk=args.prefill_chunk, compile=compile, compile_cache=compile_cache)
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
     app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     rows = ", ".join(map(str, engine.steps))
-    step = f"the decode step compiled for {rows} rows" if args.compile else f"the decode step eager, for {rows} rows"
+    step = f"the decode step compiled for {rows} rows" if compile else f"the decode step eager, for {rows} rows"
     serve(app, sock, f"serve.py: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, queue {args.queue}, "
                      f"{mib:.0f} MiB of cache, {blocks} blocks of it the prefix cache's; {step}); Ctrl-C stops")
 

@@ -2,7 +2,7 @@
 
     bash engines/build_llama_server.sh        # once, ~15 minutes on 2 cores: llama.cpp's own llama-server
     python -m engines.bench_serving [--clients 16] [--requests 160] [--seed 0] [--rate 8] [--think 0.2]
-                                    [--max-tokens 16] [--threads N] [--compile] [--llama-server PATH] [--json PATH]
+                                    [--max-tokens 16] [--threads N] [--eager] [--llama-server PATH] [--json PATH]
 
 The trace (seeded): sessions start at Poisson times; most are multi-turn chats of 10 turns sharing one
 system prompt (each turn sent a think time after the last reply, its history the chat's earlier turns, each
@@ -13,8 +13,8 @@ with the same max_tokens, sent as raw text to /v1/completions (the chat template
 engines/server.py's, with "\\nUser:" as a stop), so all three engines see the same tokens:
 
   engine       one request at a time through the lesson's prefill_clone.Engine (the baseline, no cache)
-  serve.py     this repo's server (engines/serving.py: continuous batching, prefix cache), streamed over HTTP;
-               with --compile its decode step compiled, or loaded from the compile cache, before it is ready
+  serve.py     this repo's server (engines/serving.py: continuous batching, prefix cache), streamed over HTTP,
+               its decode steps compiled or loaded from the compile cache before it is ready (--eager: not)
   llama-server llama.cpp's server on a GGUF f32 of the same weights (engines.peers.write_gguf), the same
                number of slots (-np CLIENTS, -c CLIENTS*256), continuous batching and prompt caching on
 
@@ -241,7 +241,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--checkpoint", default="holmes.pt")
-    ap.add_argument("--compile", action="store_true", help="serve.py --compile (made ready before the replay)")
+    ap.add_argument("--eager", action="store_true", help="serve.py --eager: its decode step not compiled")
     ap.add_argument("--llama-server", default=None, help="the binary engines/build_llama_server.sh built")
     ap.add_argument("--skip", default="", help="engines to leave out, comma-separated")
     ap.add_argument("--json", default=None)
@@ -266,7 +266,7 @@ def main():
         port = free_port()
         results["serve.py"] = summary(*server_run("serve.py", [sys.executable, "serve.py", args.checkpoint, "--port",
                                                               str(port), "--rows", str(args.clients)] +
-                                                  ["--compile"] * args.compile,
+                                                  ["--eager"] * args.eager,
                                                   port, sessions, args, bpe, {}))
         print("  serve.py: done", flush=True)
     if "llama-server" not in skip:

@@ -19,7 +19,7 @@ the same thing (docs/serving_engine.md says why, and what the tests prove).
 Single-threaded by design: submit, cancel and step must be called from one thread (a server runs step()
 in a loop of its own and passes each Event to its client).
 
-    engine = ServingEngine(model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=64,
+    engine = ServingEngine(model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=128,
                            compile=False)
     engine.submit(Request("a", tokenizer.encode("The night was"), max_tokens=20, seed=0, temperature=0.8))
     while engine.has_work():
@@ -102,7 +102,7 @@ class ServingEngine:
     the whole window, so a row's logits are bit-identical whatever else runs (batch invariance, tested);
     it costs a step for every prompt token and the whole window's reads in every step."""
 
-    def __init__(self, model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=64, *,
+    def __init__(self, model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=128, *,
                  fixed_shapes=False, compile=False, compile_cache=None):
         self.model, self.tokenizer = model, tokenizer
         self.lesson = Engine(model, tokenizer)  # its checks, stop rule and pick: the same rules, not copies

@@ -1,13 +1,14 @@
 """The serving engine's claim on the shipped checkpoint: each request gets the tokens the Engine gives it alone.
 
-    python -m engines.serving_check [CHECKPOINT] [--chats 16] [--tokens 40] [--fixed-shapes] [--threads N]
+    python -m engines.serving_check [CHECKPOINT] [--chats 16] [--tokens 40] [--fixed-shapes] [--compile] [--threads N]
 
 Replays seeded chats through one ServingEngine: turn 1 of every chat (a shared system prompt, a user
 line, random knobs and seed) arriving at random steps, then turn 2 of each (turn 1, its reply and a new
 line), which finds turn 1's blocks in the prefix cache. Every request is run again alone through
 prefill_clone.Engine; the check asserts the tokens agree and prints the largest difference between a
 served row's logits and the same row's alone, the prompt tokens served from the cache, and the tokens a
-second each way (those vary with the machine and its load; the tokens do not).
+second each way (those vary with the machine and its load; the tokens do not). --compile: the decode step
+compiled, or loaded from the compile cache, before the chats start.
 """
 import random
 import time
@@ -78,15 +79,17 @@ def main():
     ap.add_argument("--tokens", type=int, default=40, help="max_tokens of each turn")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixed-shapes", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="the decode step compiled (or loaded from the compile cache)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer)
     rng, system = random.Random(args.seed), tokenizer.encode(DEFAULT_PROMPT)
-    engine = ServingEngine(model, tokenizer, fixed_shapes=args.fixed_shapes)
+    engine = ServingEngine(model, tokenizer, fixed_shapes=args.fixed_shapes, compile=args.compile)
     print(f"{args.checkpoint}: {args.chats} chats, {args.tokens} tokens a turn, a {len(system)}-token system prompt, "
-          f"{'fixed' if args.fixed_shapes else 'variable'} shapes, {torch.get_num_threads()} threads")
+          f"{'fixed' if args.fixed_shapes else 'variable'} shapes, the decode step "
+          f"{'compiled' if args.compile else 'eager'}, {torch.get_num_threads()} threads")
     turn1 = [Request(f"chat{i}.1", system + tokenizer.encode(" " + rng.choice(LINES)), args.tokens,
                      seed=rng.randrange(2**32), **rng.choice(KNOBS)) for i in range(args.chats)]
     first = served(engine, [(rng.randrange(3 * args.chats), r) for r in turn1])

@@ -335,9 +335,10 @@ def test_a_stop_takes_no_new_request_and_finishes_the_streams_in_flight_first(pa
 
 @pytest.fixture
 def serve_process():
-    """`python serve.py --port 0` started, and (process, its base URL) once it says it is ready."""
-    process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--rows", "2"], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    """`python serve.py --port 0 --eager` started (compiling the shipped model's steps would take minutes; the
+    compiled engine's tokens are test_serving_engine's), and (process, its base URL) once it says it is ready."""
+    process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--rows", "2", "--eager"], cwd=ROOT,
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         ready = process.stdout.readline()  # the one line it prints once it listens (a hang guard: the pytest run)
         found = re.match(r"serve\.py: ready at (http://127\.0\.0\.1:\d+)/ \(holmes, 2 rows", ready)

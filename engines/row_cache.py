@@ -1,9 +1,10 @@
 """The serving engine's KV cache: a row of the full window for each request admitted, and a store of blocks.
 
-The rows are one GraphCache (engines/decode_step.py) of max_rows rows: the cache the graph-safe decode step
-writes, each row at its own position, so serving decodes on the very step FastEngine compiles (and loads
-the same compiled package for max_rows rows); a step over fewer rows runs on its first rows (first_rows). A prompt is computed into its row in chunks, each a forward
-of its own at batch 1 (RowPrompt). The store holds full blocks of keys and values copied out of the rows
+The rows are one GraphCache (engines/decode_step.py) of max_rows rows: the cache the graph-safe decode
+step writes, each row at its own position, so serving decodes on the very step FastEngine compiles (and
+loads the same compiled package for max_rows rows); a step over fewer rows runs on its first rows
+(first_rows). The prompts' chunks of a step are computed into their rows in one forward of their own
+(PromptRows). The store holds full blocks of keys and values copied out of the rows
 (BlockStore), the prefix cache's tensors; engines/blocks.py says which block holds which tokens. A new
 request's cached prefix is copied into its row, so a row is its request's alone: nothing is shared between
 rows, and no block a row reads can be evicted under it.
@@ -11,15 +12,14 @@ rows, and no block a row reads can be evicted under it.
     rows = GraphCache.for_model(model, max_rows, model.cfg.context)
     store = BlockStore.for_model(model, n_blocks=64, block_size=16)
     store.load(rows, row, blocks)                    # a cached prefix into a row
-    logits = prompt_step(model, rows, row, ids, start)   # a prompt chunk, positions start..
+    logits = prompt_step(model, rows, [(row, ids, start)])   # prompt chunks, each at positions start..
     store.save(rows, row, index, block)              # the row's full block `index`, kept
 """
-import contextlib
 import copy
 
 import torch
-import torch.nn.functional as F
 
+from cached import CachedAttention
 from prefill_clone import LayerView
 
 
@@ -41,48 +41,66 @@ def first_rows(cache, n):
     return view
 
 
-class ExplicitMask(torch.overrides.TorchFunctionMode):
-    """While on, an attention given a mask ignores is_causal: the mask says exactly what each query sees.
-    cached.py passes is_causal=T > 1, right for a prompt into an empty cache, where SDPA's top-left mask
-    is causal; a chunk that follows cached positions needs a mask aligned to its own positions instead,
-    which SDPA refuses beside is_causal. The model's own code is unchanged."""
+class MaskedAttention(CachedAttention):
+    """CachedAttention whose cache's mask, where it gives one, replaces is_causal. cached.py passes
+    is_causal=T > 1, right for a prompt into an empty cache, where SDPA's top-left mask is causal; a chunk
+    that follows cached positions needs a mask aligned to its own positions instead, and SDPA given both
+    applies is_causal alone."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is not None:
-            kwargs["is_causal"] = False
-        return func(*args, **kwargs)
+    def attend(self, q, k, v, is_causal, attn_mask=None):
+        return super().attend(q, k, v, is_causal and attn_mask is None, attn_mask)
 
 
-class RowPrompt:
-    """Row `row` of a GraphCache as the cache model.step runs a prompt chunk (1, T) on, at positions
-    start..start+T-1: the chunk's keys written into the row's slots, and attention reading the row's
-    first start+T slots, each query those up to its own position (from position 0, the lesson's
-    prefill exactly: no mask, is_causal)."""
+def with_masked_attention(module):
+    """A copy of the module tree whose attention layers are MaskedAttention; the parameters are the model's
+    own, and the model is left as it was."""
+    tree = copy.copy(module)
+    if isinstance(module, CachedAttention):
+        assert type(module) is CachedAttention, "a variant of the attention would lose what it changes"
+        tree.__class__ = MaskedAttention
+    tree._modules = {name: with_masked_attention(child) for name, child in module._modules.items()}
+    return tree
 
-    def __init__(self, cache, row):
-        self.cache, self.row = cache, row
+
+class PromptRows:
+    """Rows of a GraphCache as the cache model.step runs prompt chunks on, a chunk a row, all in one forward.
+    Row i of the forward is chunk i right-aligned behind padding, so every row's last token is its chunk's
+    last (model.step's logits): the padding takes the positions before the chunk's, and only the chunks'
+    own keys are written. Each query attends to its row's slots up to its own position (a padding query
+    sees slot 0 at least, so that its softmax, never used, is not 0 / 0)."""
+
+    def __init__(self, cache, rows, starts, lengths):
+        device, T = cache.heads_k.device, max(lengths)
+        self.cache, self.rows = cache, torch.tensor(rows, device=device)
+        written = [(i, T - n + j, start + j) for i, (start, n) in enumerate(zip(starts, lengths)) for j in range(n)]
+        self.chunk, self.column, self.position = (torch.tensor(x, device=device) for x in zip(*written))
+        self.row = self.rows[self.chunk]
+        positions = torch.tensor([start - (T - n) for start, n in zip(starts, lengths)], device=device)
+        self.first = positions  # each row's first position, the padding's: model.step's start
+        self.end = max(start + n for start, n in zip(starts, lengths))
+        slots = torch.arange(self.end, device=device)
+        queries = (positions[:, None] + torch.arange(T, device=device))[:, :, None]
+        self.mask = ((slots <= queries) | (slots == 0)).view(len(rows), 1, T, self.end)
 
     def __iter__(self):
         return (LayerView(self, i) for i in range(self.cache.heads_k.shape[0]))
 
     def insert_kv(self, layer, k, v, start):
-        T, end = k.shape[2], start + k.shape[2]
-        keys, values = (t[layer, self.row:self.row + 1] for t in (self.cache.heads_k, self.cache.heads_v))
-        assert end <= keys.shape[2], "a request is refused unless it fits the window"
-        keys[:, :, start:end], values[:, :, start:end] = k, v
-        mask = None
-        if start:
-            mask = (torch.arange(end, device=k.device) <= torch.arange(start, end, device=k.device)[:, None])
-            mask = mask.view(1, 1, T, end)
-        return keys[:, :, :end], values[:, :, :end], mask
+        keys, values = self.cache.heads_k[layer], self.cache.heads_v[layer]  # (rows, heads, slots, head_dim)
+        keys[self.row, :, self.position] = k[self.chunk, :, self.column]
+        values[self.row, :, self.position] = v[self.chunk, :, self.column]
+        return keys[self.rows, :, :self.end], values[self.rows, :, :self.end], self.mask
 
 
-def prompt_step(model, cache, row, ids, start):
-    """Run prompt tokens ids (a list) at positions start.. into row `row` of cache; the last one's logits (vocab,)."""
-    tokens = torch.tensor([ids], device=cache.heads_k.device)
-    with ExplicitMask() if start and len(ids) > 1 else contextlib.nullcontext():
-        return model.step(tokens, RowPrompt(cache, row), start)[0]
+def prompt_step(model, cache, chunks):
+    """Run prompt chunks [(row, ids, start)], each its prompt's tokens ids at positions start.., into their
+    rows of cache, in one forward of model (with_masked_attention's); the logits of each chunk's last token
+    (len(chunks), vocab)."""
+    rows, ids, starts = zip(*chunks)
+    T = max(map(len, ids))
+    tokens = torch.tensor([[0] * (T - len(chunk)) + list(chunk) for chunk in ids], device=cache.heads_k.device)
+    view = PromptRows(cache, rows, starts, [len(chunk) for chunk in ids])
+    return model.step(tokens, view, view.first)
 
 
 class BlockStore:

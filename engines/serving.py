@@ -3,8 +3,8 @@
 Each request admitted has a row of the cache to itself (engines/row_cache.py). Each step() runs the
 decode step, one token for every running row, each at its own position: DecodeStep, the graph-safe step
 FastEngine runs, compiled (or loaded from the compile cache) with compile=True. Beside it, within a
-budget of prefill_chunk tokens, the next chunk of each prompt being prefilled runs into its row, a
-forward of its own (the lesson's CachedGPT.step at batch 1), so a long prompt never stalls the rows
+budget of prefill_chunk tokens, the next chunk of each prompt being prefilled runs into its row, chunks
+of about one length in one forward of the lesson's CachedGPT.step, so a long prompt never stalls the rows
 already decoding. A prompt's full blocks that an earlier request computed (the same tokens from the
 start: a chat's earlier turns, a shared system prompt) are copied into its row from the prefix cache,
 not computed again (engines/blocks.py); the prompt's last token always runs, for the logits of the
@@ -37,7 +37,7 @@ import torch
 from checks import check_request
 from engines.blocks import PrefixCache, block_digest, blocks_per_row, digests_of
 from engines.decode_step import DecodeStep, GraphCache
-from engines.row_cache import BlockStore, decode_batches, first_rows, prompt_step
+from engines.row_cache import BlockStore, decode_batches, first_rows, prompt_step, with_masked_attention
 from engines.serving_text import TextStream
 from model import check_finite
 from prefill_clone import Engine
@@ -105,6 +105,7 @@ class ServingEngine:
     def __init__(self, model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=128, *,
                  fixed_shapes=False, compile=False, compile_cache=None):
         self.model, self.tokenizer = model, tokenizer
+        self.prompt_model = with_masked_attention(model)  # the prompts' chunks, each query masked at its position
         self.lesson = Engine(model, tokenizer)  # its checks, stop rule and pick: the same rules, not copies
         self.max_rows = whole("max_rows", max_rows, 1)
         self.block_size = whole("block_size", block_size, 1)
@@ -171,12 +172,13 @@ class ServingEngine:
             for s in decoding:
                 self.prompt_tokens_computed += s.computed < s.n_prompt
                 s.computed += 1
-        for s, start, end in chunks:
-            logits = prompt_step(self.model, self.rows, s.row, s.tokens[start:end], start)
-            self.prompt_tokens_computed += end - start
-            s.computed = end
-            if end == s.n_prompt:  # the prompt's last position: its logits give the first new token
-                picks.append((logits, s))
+        for group in self._by_length(chunks):
+            logits = prompt_step(self.prompt_model, self.rows, [(s.row, s.tokens[a:b], a) for s, a, b in group])
+            for row, (s, start, end) in zip(logits, group):
+                self.prompt_tokens_computed += end - start
+                s.computed = end
+                if end == s.n_prompt:  # the prompt's last position: its logits give the first new token
+                    picks.append((row, s))
         if picks:
             seqs = [s for _, s in picks]
             for s, token in zip(seqs, self._pick(torch.stack([row for row, _ in picks]), seqs)):
@@ -200,6 +202,16 @@ class ServingEngine:
         self.rows.cache_seqlens[:n].copy_(torch.tensor(positions))
         last = self.model.cfg.context - 1 if self.fixed_shapes else max(s.computed for s in decoding)
         return self.steps[n](torch.tensor(tokens, device=self.device).view(-1, 1), last)
+
+    @staticmethod
+    def _by_length(chunks):
+        """The chunks in groups of a forward each: those whose lengths share a power of two above them, so no
+        forward pads a chunk to more than twice its length (padding costs its compute; a forward of its own
+        costs the operators' fixed time, which on a small model is most of a short chunk's)."""
+        groups = {}
+        for chunk in chunks:
+            groups.setdefault((chunk[2] - chunk[1] - 1).bit_length(), []).append(chunk)
+        return groups.values()
 
     def _plan_prefill(self):
         """(sequence, first, end) prompt positions to compute this step: the prompts already being prefilled

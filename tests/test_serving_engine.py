@@ -13,12 +13,15 @@ import pytest
 import torch
 
 from bpe import BPE
+from cached import CachedAttention
 from conftest import COMPILED, COMPILED_ROWS, TOKENIZER, compiled_model
 from errors import BadValue
 from engines.blocks import PrefixCache, blocks_for_bytes, digests_of
+from engines.decode_step import GraphCache
+from engines.row_cache import prompt_step, with_masked_attention
 from engines.serving import Event, Request, ServingEngine
 from engines.serving_text import TextStream
-from prefill_clone import Engine
+from prefill_clone import Engine, KVCache
 
 MODEL, TOK = compiled_model(), BPE.load(TOKENIZER)
 CONTEXT, VOCAB = COMPILED.context, COMPILED.vocab_size
@@ -395,6 +398,27 @@ def test_a_bad_request_is_refused_in_one_line_before_it_is_queued(change, messag
 def test_an_engine_of_a_shape_that_cannot_be_is_refused(settings, message):
     with pytest.raises(BadValue, match=re.escape(message)):
         ServingEngine(MODEL, TOK, **settings)
+
+
+def test_prompt_chunks_after_cached_positions_compute_what_one_prefill_does_and_need_their_mask():
+    """Three chunks of other lengths, each after positions already in its row, in one forward: the logits of
+    each prompt's last token are the lesson's prefill of the whole prompt. The model's own attention, given
+    the chunks' mask beside is_causal, applies is_causal alone (SDPA's rule), and computes something else."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 20)]
+    cuts = [4, 11, 8]
+    want = torch.stack([MODEL.step(torch.tensor([p]), KVCache.for_model(MODEL, 1, CONTEXT), 0)[0] for p in prompts])
+
+    def chunked(model):
+        rows = GraphCache.for_model(MODEL, 4, CONTEXT)
+        with torch.inference_mode():
+            prompt_step(model, rows, [(row, p[:cut], 0) for row, (p, cut) in enumerate(zip(prompts, cuts))])
+            return prompt_step(model, rows, [(row, p[cut:], cut) for row, (p, cut) in enumerate(zip(prompts, cuts))])
+    masked = with_masked_attention(MODEL)
+    assert torch.allclose(chunked(masked), want, atol=1e-3 * want.abs().max().item())
+    assert not torch.allclose(chunked(MODEL), want, atol=1e-1 * want.abs().max().item())
+    assert all(type(block.attn) is CachedAttention for block in MODEL.blocks)  # the model itself as it was
+    assert [p.data_ptr() for p in masked.parameters()] == [p.data_ptr() for p in MODEL.parameters()]
 
 
 def test_text_holds_back_a_partial_character_and_a_possible_stop_and_flushes_at_the_end():

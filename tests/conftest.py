@@ -285,16 +285,16 @@ def compiled_model():
 
 def compile_ahead(folder, plain_kept):
     """compiled_model()'s steps compiled into folder, as the tests run them: for COMPILED_ROWS rows float32
-    and int8 the plain way, and ServingEngine's steps over fewer rows (then plain_kept is set: what the
-    `compiled` fixture and the serving engine's test load), and float32 the
-    autotuned ways, and for one row float32 the dot-products way (what `every_way_compiled` waits for)."""
+    and int8 the plain way (then plain_kept is set: what the `compiled` fixture loads), ServingEngine's
+    steps over fewer rows, float32 the autotuned ways, and for one row float32 the dot-products way (what
+    `every_way_compiled` waits for)."""
     os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
     compile_ways.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()
     for dtype in (torch.float32, torch.int8):
         fast_engine.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
-    serving.ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=folder)  # its fewer rows too
     plain_kept.set()
+    serving.ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=folder)  # its fewer rows
     with torch.inference_mode():
         for batch, way in ((1, compile_ways.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned"),
                            (COMPILED_ROWS, compile_ways.ATTENTION_AS_MATH)):

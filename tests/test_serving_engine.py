@@ -172,10 +172,11 @@ def test_every_request_gets_the_tokens_the_engine_gives_it_alone_whatever_arrive
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_on_the_compiled_decode_step_every_request_still_gets_the_engines_tokens(seed, compiled):
+def test_on_the_compiled_decode_step_every_request_still_gets_the_engines_tokens(seed, every_way_compiled):
     """The decode step FastEngine compiled for COMPILED_ROWS rows, loaded from the compile cache (one program for
     both: the same cache), and the steps over fewer rows compiled ahead, serving random arrivals."""
     arrivals, shape = random_trial(seed)
+    compiled = every_way_compiled
     engine = ServingEngine(compiled.model, TOK, **{**shape, "max_rows": COMPILED_ROWS}, compile=True,
                            compile_cache=compiled.folder)
     assert all(step.loaded for step in engine.steps.values()) and list(engine.steps) == [1, 2, COMPILED_ROWS]

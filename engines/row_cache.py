@@ -3,8 +3,8 @@
 The rows are one GraphCache (engines/decode_step.py) of max_rows rows: the cache the graph-safe decode
 step writes, each row at its own position, so serving decodes on the very step FastEngine compiles (and
 loads the same compiled package for max_rows rows); a step over fewer rows runs on its first rows
-(first_rows). The prompts' chunks of a step are computed into their rows in one forward of their own
-(PromptRows). The store holds full blocks of keys and values copied out of the rows
+(first_rows). The prompts' chunks of a step are computed into their rows, those of about one length in
+one forward (PromptRows). The store holds full blocks of keys and values copied out of the rows
 (BlockStore), the prefix cache's tensors; engines/blocks.py says which block holds which tokens. A new
 request's cached prefix is copied into its row, so a row is its request's alone: nothing is shared between
 rows, and no block a row reads can be evicted under it.

@@ -378,3 +378,13 @@ def test_serve_refuses_a_port_in_use_or_out_of_range_in_one_line(monkeypatch, ca
                        f"cannot listen on 127.0.0.1:{port} (Address already in use); pick another with --port")
     assert_refused(run_main(serve.main, ["serve.py", "--port", 70000], monkeypatch, capsys),
                    "--port must be in 0..65535, got 70000")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rows", "0"], "--rows must be at least 1, got 0"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
+    (["--cache-mib", "-1"], "--cache-mib must be a whole number >= 0, got -1"),
+])
+def test_serve_refuses_a_size_it_cannot_run_in_one_line_before_it_loads_anything(flags, message, monkeypatch, capsys):
+    import serve
+    assert_refused(run_main(serve.main, ["serve.py", "--port", "0", "--eager", *flags], monkeypatch, capsys), message)

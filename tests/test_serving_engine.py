@@ -14,7 +14,7 @@ import torch
 
 from bpe import BPE
 from cached import CachedAttention
-from conftest import COMPILED, COMPILED_ROWS, TOKENIZER, compiled_model
+from conftest import COMPILED, COMPILED_ROWS, TOKENIZER, compiled_model, run_main
 from errors import BadValue
 from engines.blocks import PrefixCache, blocks_for_bytes, digests_of
 from engines.decode_step import GraphCache
@@ -455,3 +455,14 @@ def test_the_prefix_cache_evicts_the_least_recently_used_first_and_a_chains_tail
     other = digests_of([9, 9, 9, 9], 2)
     assert prefix.keep(other[:1]) == 3 and prefix.keep(other[:2]) == chain[2]  # the free block, then the tail's
     assert prefix.match(digests) == chain[:2]  # the head and middle still reachable
+
+
+def test_serving_check_on_the_shipped_checkpoint_finds_every_request_equal_to_the_engine_alone(monkeypatch, capsys):
+    """The command docs/serving_engine.md quotes, small: two-turn chats through one engine, each request checked
+    against the Engine alone (it exits 1 naming the request where they differ)."""
+    from engines import serving_check
+    status, out, err = run_main(serving_check.main, ["serving_check", "--chats", "3", "--tokens", "6"], monkeypatch,
+                                capsys)
+    assert status == 0, err
+    turns = [line for line in out.splitlines() if line.startswith("turn ")]
+    assert len(turns) == 2 and all("tokens equal the Engine's alone" in line for line in turns), out

@@ -111,6 +111,7 @@ def main():
         raise BadValue(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     for package in ("uvicorn", "starlette"):  # one missing is said in one line naming the requirements file
         peers.engine(package)
+    from engines.blocks import blocks_for_bytes, blocks_per_row
     from engines.compile_cache import check_compile_cache
     from engines.compile_ways import compiler_missing
     from engines.server import create_app
@@ -126,7 +127,8 @@ def main():
     itemsize, context = model.emb.weight.element_size(), model.cfg.context
     rows_bytes = cache_bytes(model.cfg, args.rows, context, itemsize)  # keys and values, every layer
     block_bytes = cache_bytes(model.cfg, 1, BLOCK_SIZE, itemsize)
-    blocks = rows_bytes // block_bytes if args.cache_mib is None else args.cache_mib * 2**20 // block_bytes
+    blocks = (args.rows * blocks_per_row(context, BLOCK_SIZE) if args.cache_mib is None else  # the engine's default
+              blocks_for_bytes(model, args.cache_mib * 2**20, BLOCK_SIZE))
     mib = (rows_bytes + blocks * block_bytes) / 2**20
     check_fits(rows_bytes + blocks * block_bytes, f"{mib:.0f} MiB of cache (--rows, --cache-mib)", model.emb.weight.device)
     engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE, cache_blocks=blocks,

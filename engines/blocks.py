@@ -15,6 +15,8 @@ import math
 from array import array
 from collections import OrderedDict
 
+from checks import cache_bytes
+
 
 def block_digest(parent, tokens):
     """A full block's identity: its token ids and, through parent (the previous block's digest, b"" for
@@ -41,9 +43,7 @@ def blocks_per_row(context, block_size):
 def blocks_for_bytes(model, nbytes, block_size=16):
     """How many blocks a memory budget of nbytes holds for this model (keys and values, every layer), for a
     server that takes its cache budget in bytes: ServingEngine(model, tok, cache_blocks=blocks_for_bytes(...))."""
-    cfg, w = model.cfg, model.emb.weight
-    per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * w.element_size()
-    return nbytes // per_block
+    return nbytes // cache_bytes(model.cfg, 1, block_size, model.emb.weight.element_size())
 
 
 class PrefixCache:

@@ -189,46 +189,53 @@ class Engine:
                                        generator=[generators[i] for i in rows], **knobs)
         return tokens
 
+    def take(self, rows, picked, stops_at):
+        """Each row takes its picked token, or its next forced one; a completed row takes nothing (None)."""
+        column, masks = [], []
+        for i, (row, token) in enumerate(zip(rows, picked)):
+            if row.completed:
+                column.append(None)
+                masks.append(None)
+                continue
+            is_forced = bool(row.forced_tokens)
+            if is_forced:  # checked here too: forced_tokens may have been appended to between steps
+                token = as_id(row.forced_tokens.popleft(), f"forced token for row {i}:", self.model.cfg.vocab_size)
+            row.tokens.append(token)
+            row.completed = stops_at(row, token)
+            column.append(token)
+            masks.append(0 if is_forced else 1)
+        return column, masks
+
     @torch.inference_mode()
     def _run(self, rows, generators, settings, stops_at, max_tokens):
         if self.busy:
             raise BadValue("this Engine is already generating; finish or close that generator, or use another Engine")
         self.busy, self.rows = True, rows
         try:
-            if max_tokens == 0:
-                return
-            device = self.model.emb.weight.device
-            prompt = torch.tensor([rows[0].tokens], device=device)
-            cache, step = self.decoder(len(rows), self.cache_len(prompt.shape[1], max_tokens))
-            logits = self.fill(self.model, prompt, cache)
-            # only the repetition penalty reads the tokens so far; keep them only for it
-            history = prompt.expand(len(rows), -1) if any(s.get("penalty", 1.0) != 1.0 for s in settings) else None
-            pos = prompt.shape[1]
-            for n in range(1, max_tokens + 1):
-                picked = self.pick(check_finite(logits, n - 1), history, generators, settings).tolist()
-                column, masks = [], []
-                for i, (row, token) in enumerate(zip(rows, picked)):
-                    if row.completed:
-                        column.append(None)
-                        masks.append(None)
-                        continue
-                    is_forced = bool(row.forced_tokens)
-                    if is_forced:  # checked here too: forced_tokens may have been appended to between steps
-                        token = as_id(row.forced_tokens.popleft(), f"forced token for row {i}:",
-                                      self.model.cfg.vocab_size)
-                    row.tokens.append(token)
-                    row.completed = stops_at(row, token)
-                    column.append(token)
-                    masks.append(0 if is_forced else 1)
-                yield column, masks
-                if n == max_tokens or all(row.completed for row in rows):
-                    return  # no step for the last token: nothing would read its logits
-                feed = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
-                history = None if history is None else torch.cat((history, feed), dim=1)
-                logits = step(feed, pos)
-                pos += 1
+            if max_tokens:
+                yield from self.decode(rows, generators, settings, stops_at, max_tokens)
         finally:
             self.busy = False
+
+    def decode(self, rows, generators, settings, stops_at, max_tokens):
+        """The prompt run once, then a pick and a decode step a token; yields each step's (column, masks)."""
+        device = self.model.emb.weight.device
+        prompt = torch.tensor([rows[0].tokens], device=device)
+        cache, step = self.decoder(len(rows), self.cache_len(prompt.shape[1], max_tokens))
+        logits = self.fill(self.model, prompt, cache)
+        # only the repetition penalty reads the tokens so far; keep them only for it
+        history = prompt.expand(len(rows), -1) if any(s.get("penalty", 1.0) != 1.0 for s in settings) else None
+        pos = prompt.shape[1]
+        for n in range(1, max_tokens + 1):
+            picked = self.pick(check_finite(logits, n - 1), history, generators, settings).tolist()
+            column, masks = self.take(rows, picked, stops_at)
+            yield column, masks
+            if n == max_tokens or all(row.completed for row in rows):
+                return  # no step for the last token: nothing would read its logits
+            feed = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
+            history = None if history is None else torch.cat((history, feed), dim=1)
+            logits = step(feed, pos)
+            pos += 1
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
         """Run generate to the end; return each row's new tokens and their masks."""

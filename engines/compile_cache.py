@@ -88,7 +88,7 @@ def weights_digest(model):
 
 
 # the files of this folder whose code a compiled step runs, or which decide how it is exported and keyed
-STEP_CODE = ("compile_cache.py", "compile_ways.py", "decode_step.py", "int8.py", "matmul.py")
+STEP_CODE = ("compile_cache.py", "compile_ways.py", "decode_step.py", "graph_pick.py", "int8.py", "matmul.py")
 
 
 def step_sources(model, cache):
@@ -105,19 +105,19 @@ def step_sources(model, cache):
     return sources
 
 
-def step_keys(model, cache, ways):
+def step_keys(model, cache, ways, pick=None):
     """{way: what the step compiled that way is valid for, as one sha256}: the weights, the model's config
     and classes, the cache's shape, strides (a cache may be rows of a larger one) and dtype, the device and
     the machine, torch's version, the way (its
-    options, the Linears' product among them) and the code compiled. Any of them changed, the key is
-    another and the step is compiled anew. All but the way are read once for every way (the weights'
+    options, the Linears' product among them), the pick's stages compiled in (None: none) and the code
+    compiled. Any of them changed, the key is another and the step is compiled anew. All but the way are read once for every way (the weights'
     hash reads them all)."""
     parts = dict(weights=weights_digest(model), config=repr(getattr(model, "cfg", None)),
                  modules=[f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()],
                  cache=cache.shape, strides=[cache.heads_k.stride(), cache.heads_v.stride()],
                  dtype=str(cache.heads_k.dtype), device=str(cache.heads_k.device),
                  machine=machine_name(cache.heads_k.device), torch=torch.__version__,
-                 sources=step_sources(model, cache))
+                 pick=pick, sources=step_sources(model, cache))
     return {name: hashlib.sha256(json.dumps(parts | {"options": options}, sort_keys=True, default=repr).encode())
             .hexdigest() for name, options in ways.items()}
 

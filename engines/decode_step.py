@@ -23,6 +23,7 @@ import torch.nn as nn
 from engines.compile_cache import (KEY_FIELD, check_compile_cache, choice_path, keep_choice, load_package,
                                    package_path, read_choice, step_keys)
 from engines.compile_ways import COMPILED_ATTENTION, WAY_FIELDS, check_compiler, compile_ways, way_model
+from engines.graph_pick import GraphPick, Knobs
 from engines.int8 import Int8Linear
 from prefill_clone import KVCache
 from timing import median, timings
@@ -66,17 +67,19 @@ class GraphCache(KVCache):
 
 class StepProgram(nn.Module):
     """model.step as a function of the cache's tensors, what torch.export needs: a tensor the step only
-    held would be exported as a constant of the program, and its writes would land in a copy."""
+    held would be exported as a constant of the program, and its writes would land in a copy. With a
+    pick (engines/graph_pick.py), the program picks each row's next token too: (logits, tokens)."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, pick=None):
         super().__init__()
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.pick = model, cache, pick
 
-    def forward(self, token, heads_k, heads_v, cache_seqlens, attended):
+    def forward(self, token, heads_k, heads_v, cache_seqlens, attended, *knobs):
         cache = copy.copy(self.cache)  # the same cache, its stored tensors the program's inputs
         cache.heads_k, cache.heads_v, cache.cache_seqlens, cache.attended = heads_k, heads_v, cache_seqlens, attended
         cache.k, cache.v = heads_k.transpose(2, 3), heads_v.transpose(2, 3)
-        return self.model.step(token, cache, cache_seqlens.long())
+        logits = self.model.step(token, cache, cache_seqlens.long())
+        return logits if self.pick is None else (logits, self.pick(logits, token, *knobs))
 
 
 def say(message):
@@ -105,11 +108,17 @@ class DecodeStep:
     is, and the step compiled anew; either way the step's first logits are checked against the
     eager step's.
     capture (CUDA only): replay a captured graph of the step.
+    pick: the stages of engines/graph_pick.py's GraphPick (() for greedy) to pick each row's next token in
+    the same program, by self.knobs: a call then returns (logits, tokens). None: logits only.
     """
 
-    def __init__(self, model, cache, compile=False, capture=False, ways=None, compile_cache=None):
+    def __init__(self, model, cache, compile=False, capture=False, ways=None, compile_cache=None, pick=None):
         self.model, self.cache = model, cache
-        self.token = torch.zeros(cache.shape["batch"], 1, dtype=torch.long, device=cache.k.device)
+        batch, device = cache.shape["batch"], cache.k.device
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        assert pick is None or not capture, "a captured graph runs the step only"
+        self.pick = None if pick is None else GraphPick(pick)
+        self.knobs = None if pick is None else Knobs(batch, model.cfg.vocab_size, device)
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
         self.loaded, self.package, self.way, self.way_ms = False, None, None, {}
         if compile:
@@ -122,14 +131,15 @@ class DecodeStep:
             self._rehearse(self._capture)
 
     def _step(self):
-        return self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
+        logits = self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
+        return logits if self.pick is None else (logits, self.pick(logits, self.token, *self.knobs.tensors()))
 
     def _compiled(self, ways, folder):
         """The compiled step that runs: the only way, or the fastest of the ways here."""
         model, cache = self.model, self.cache
         int8 = any(isinstance(m, Int8Linear) for m in model.modules())
         ways = ways or compile_ways(cache.k.device, cache.shape["batch"], int8)
-        keys = step_keys(model, cache, ways)
+        keys = step_keys(model, cache, ways, None if self.pick is None else self.pick.stages)
         choice = choice_path(folder, list(keys.values()))
         self.way_ms, unusable = read_choice(choice, ways) if len(ways) > 1 else ({}, None)
         if unusable:
@@ -151,7 +161,8 @@ class DecodeStep:
         ways = {name: ways[name] for name in made}
         self.loaded = all(loaded for _, _, loaded in made.values())
         # each runner's own loader: AOTICompiledModel's call parses its input and output specs every step
-        runs = {name: lambda loader=runner.loader: loader.boxed_run(self._inputs())[0]
+        outputs = (lambda out: out[0]) if self.pick is None else tuple
+        runs = {name: lambda loader=runner.loader: outputs(loader.boxed_run(self._inputs()))
                 for name, (runner, _, _) in made.items()}
         if len(runs) > 1:
             self.way_ms = self._time_ways(runs)
@@ -208,11 +219,13 @@ class DecodeStep:
         of slots attended, exported at half of them (inductor tunes its kernels for the example's sizes,
         and at all of them it made a step that reads them all)."""
         slots = self.cache.shape["max_len"]
-        example = (*self._inputs()[:-1], self._half_the_slots())
+        inputs = self._inputs()
+        example = (*inputs[:4], self._half_the_slots(), *inputs[5:])
         attended = {0: torch.export.Dim("attended", min=1, max=slots)} if slots > 1 else None
+        dynamic = (None, None, None, None, attended, (None,) * (len(inputs) - 5))  # the knobs: one *args
         with COMPILED_ATTENTION[way["attention"]]() if "attention" in way else contextlib.nullcontext():
-            return torch.export.export(StepProgram(way_model(self.model, way), self.cache), example,
-                                       dynamic_shapes=(None, None, None, None, attended), strict=False)
+            return torch.export.export(StepProgram(way_model(self.model, way), self.cache, self.pick), example,
+                                       dynamic_shapes=dynamic, strict=False)
 
     def _time_ways(self, runs, steps=10, rounds=5):
         """{name: ms a step} for each compiled way, timed side by side (timing.timings: a warm-up, which is also
@@ -232,17 +245,25 @@ class DecodeStep:
         return self.cache.slots[:min(slots, max(2, slots // 2))]
 
     def _inputs(self):
-        return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens, self.cache.attended]
+        knobs = [] if self.knobs is None else self.knobs.tensors()
+        return [self.token, self.cache.heads_k, self.cache.heads_v, self.cache.cache_seqlens, self.cache.attended,
+                *knobs]
 
     def _check_against_eager(self):
         """Refuse a compiled step whose first step is not the eager one's, in its logits or in the cache it
-        wrote (a program whose writes landed in a copy would give the eager logits once, then drift)."""
+        wrote (a program whose writes landed in a copy would give the eager logits once, then drift), or,
+        with a pick, a token the eager scores do not rank first within that closeness."""
         compiled, eager = self._rehearse(self.run), self._rehearse(self._step)
         # compiled and eager sum in other orders: as close as two float32 forwards, or a few bfloat16 steps
         share = 1e-3 if self.cache.heads_k.dtype == torch.float32 else 5e-2
+        close = lambda a, b: (a - b).abs().max().item() <= share * max(1.0, b.abs().max().item())
+        if self.pick is not None:  # the rehearsal's knobs draw with noise 1: the top score's token
+            tokens, _, scores = compiled.pop(1), eager.pop(1), eager[0].double()
+            if not close(scores.gather(-1, tokens.clamp(min=0)).view(-1), scores.amax(-1)):
+                raise RuntimeError(f"the compiled decode step ({shown(self.package)}) does not pick what the "
+                                   "eager step does; delete that file and run again")
         for got, want in zip(compiled, eager):
-            if got.shape != want.shape or not (got.double() - want.double()).abs().max().item() <= share * max(
-                    1.0, want.double().abs().max().item()):
+            if got.shape != want.shape or not close(got.double(), want.double()):
                 raise RuntimeError(f"the compiled decode step ({shown(self.package)}) does not compute what the "
                                    "eager step does; delete that file and run again")
 
@@ -250,7 +271,7 @@ class DecodeStep:
     def _cache_put_back(self):
         """After the block, the cache as it was before it, the slots it attends to included (rehearsals and
         timings must not count as steps)."""
-        live = (self.cache.k, self.cache.v, self.cache.cache_seqlens)
+        live = (self.cache.k, self.cache.v, self.cache.cache_seqlens, *([] if self.knobs is None else [self.knobs.seen]))
         saved, attended = [t.clone() for t in live], self.cache.attended
         try:
             yield live
@@ -260,10 +281,12 @@ class DecodeStep:
             self.cache.attended = attended
 
     def _rehearse(self, fn):
-        """Run fn, then put the cache back as it was; returns what fn returned and the cache it left."""
+        """Run fn, then put the cache back as it was; returns what fn returned (logits, then tokens with a pick)
+        and the cache it left."""
         with self._cache_put_back() as live:
             out = fn()
-            return [out.clone() if out is not None else None] + [t.clone() for t in live]
+            outs = list(out) if isinstance(out, tuple) else [out]
+            return [o.clone() if o is not None else None for o in outs] + [t.clone() for t in live]
 
     def _capture(self):
         side = torch.cuda.Stream()
@@ -278,8 +301,9 @@ class DecodeStep:
 
     def __call__(self, token, pos):
         """Feed token (B, 1) at position pos, every row's (each row's own lives on the device, in
-        cache_seqlens); returns logits (B, vocab). The step attends to the slots written by then, pos + 1
-        or the whole ring, and a captured graph to every slot, as it was captured."""
+        cache_seqlens); returns logits (B, vocab), with a pick (logits, tokens (B, 1)). The step attends to
+        the slots written by then, pos + 1 or the whole ring, and a captured graph to every slot, as it was
+        captured."""
         if self.graph is None:
             self.token, self.cache.attended = token, self.cache.slots[:pos + 1]
             return self.run()

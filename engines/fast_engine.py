@@ -21,8 +21,10 @@ from cached import load_pair
 from checks import check_request
 from engines.compile_cache import check_compile_cache
 from engines.decode_step import DecodeStep, GraphCache
+from engines.graph_pick import stages_for
 from engines.int8 import quantized
 from engines.matmul import choose, kernel_named, with_kernel
+from model import check_finite
 from prefill_clone import Engine, KVCache, add_sample_flags, clone_prompt, sample_knobs, show_samples
 
 
@@ -70,9 +72,11 @@ class FastEngine(Engine):
     where this runs and keeps the fastest (self.chosen says which); a name fixes it. compile: the
     graph-safe decode step compiled ahead of time, once per batch size, and kept in the folder
     compile_cache, so a later Engine with the same weights loads it in seconds (DecodeStep says
-    how; inductor picks the kernels; self.compile_seconds says what making it ready took, and
-    self.steps[batch].loaded whether it was loaded); its cache is the full context, so one
-    compiled step serves every prompt and length. cuda_graph: replay each decode step as a CUDA graph (on a CPU the same
+    how; inductor picks the kernels); its cache is the full context, so one compiled step serves
+    every prompt and length. On the CPU the compiled step picks the next tokens too (engines/graph_pick.py:
+    the same tokens, the knobs in the program, made for the knobs a generation uses), so a token costs
+    little more than its step. self.steps[batch, stages] is each step (stages None: no pick),
+    self.compile_seconds[batch, stages] what making it ready took. cuda_graph: replay each decode step as a CUDA graph (on a CPU the same
     graph-safe step runs eagerly); with compile on CUDA the compiled step is what is captured.
     dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache; int8 for
     int8 copies of the Linear weights, quantized here, once (quantized()), with the embedding, the
@@ -101,7 +105,9 @@ class FastEngine(Engine):
         # and it reads the slots written so far (a graph: all of them, behind a mask), so one of them
         # serves every prompt and length
         self.keeps_step = compile or cuda_graph
-        self.chosen, self.kernel_models, self.steps, self.compile_seconds = {}, {}, {}, {}  # keyed by batch
+        self.picks_in_step = compile and device.type == "cpu"  # a CUDA graph is captured around the step only
+        self.chosen, self.kernel_models, self.caches = {}, {}, {}  # keyed by batch
+        self.steps, self.compile_seconds = {}, {}  # keyed by (batch, the pick's stages or None)
 
     def kernel_model(self, batch):
         """self.model with its products run by the kernel measured fastest for `batch` rows (or fixed)."""
@@ -122,15 +128,54 @@ class FastEngine(Engine):
         if not self.keeps_step:
             model, cache = self.kernel_model(batch), KVCache.for_model(self.model, batch, max_len)
             return cache, lambda token, pos: model.step(token, cache, pos)
-        if batch not in self.steps:
-            cache = GraphCache.for_model(self.model, batch, max_len)
-            model = self.model if self.compile else self.kernel_model(batch)
-            self.steps[batch] = DecodeStep(model, cache, self.compile, capture=cache.k.device.type == "cuda",
-                                           compile_cache=self.compile_cache)
-            self.compile_seconds[batch] = self.steps[batch].compile_seconds
-        step = self.steps[batch]
+        step = self.kept_step(batch, None)
         step.cache.reset()
         return step.cache, step
+
+    def kept_step(self, batch, stages):
+        """The graph-safe step for `batch` rows (with the pick's stages, unless None), made once and kept; the
+        steps for one batch share one cache of the full context."""
+        if (batch, stages) not in self.steps:
+            if batch not in self.caches:
+                self.caches[batch] = GraphCache.for_model(self.model, batch, self.model.cfg.context)
+            cache = self.caches[batch]
+            model = self.model if self.compile else self.kernel_model(batch)
+            step = DecodeStep(model, cache, self.compile, capture=cache.k.device.type == "cuda",
+                              compile_cache=self.compile_cache, pick=stages)
+            self.steps[batch, stages], self.compile_seconds[batch, stages] = step, step.compile_seconds
+        return self.steps[batch, stages]
+
+    def decode(self, rows, generators, settings, stops_at, max_tokens):
+        """The lesson's decode loop, or, where the compiled step picks: each step feeds the tokens the last
+        one picked, with no pick, tensor or check outside it but the rows' bookkeeping (take) and each
+        drawing row's noise from its generator. The first token is the lesson's pick from the prompt's
+        scores; a forced token is fed in place of the pick."""
+        if not self.picks_in_step:
+            yield from super().decode(rows, generators, settings, stops_at, max_tokens)
+            return
+        self.check_unchanged()
+        device = self.model.emb.weight.device
+        step = self.kept_step(len(rows), stages_for(settings, self.model.cfg.vocab_size))
+        step.cache.reset()
+        prompt = torch.tensor([rows[0].tokens], device=device)
+        logits = self.fill(self.model, prompt, step.cache)
+        step.knobs.set(settings, rows[0].tokens)
+        history = prompt.expand(len(rows), -1) if any(s.get("penalty", 1.0) != 1.0 for s in settings) else None
+        tokens = self.pick(check_finite(logits, 0), history, generators, settings).view(-1, 1)
+        pos = prompt.shape[1]
+        for n in range(1, max_tokens + 1):
+            picked = tokens.view(-1).tolist()
+            if min(picked) < 0:  # the step marks a row whose scores are not finite
+                check_finite(logits, n - 1)
+            column, masks = self.take(rows, picked, stops_at)
+            yield column, masks
+            if n == max_tokens or all(row.completed for row in rows):
+                return
+            if 0 in masks:
+                tokens = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
+            step.knobs.draw(generators)
+            logits, tokens = step(tokens, pos)
+            pos += 1
 
     def pick(self, logits, history, generators, settings):
         """The Engine's pick, all rows in one call where they share their knobs (as they mostly do): the
@@ -149,17 +194,19 @@ class FastEngine(Engine):
                              "holds the old ones); make a new Engine for the new weights")
 
     @torch.inference_mode()
-    def prepare(self, batch):
-        """Do now what the first generate of `batch` rows would do before its first token: measure the
-        matrix multiplies, or make the kept decode step (compiling takes a minute or so, loading a
-        kept one seconds). Returns the seconds making the compiled step ready took, 0 if not compiled;
-        a script calls it before anything it times or shows an ETA for."""
+    def prepare(self, batch, settings=({"temperature": 0},)):
+        """Do now what the first generate of `batch` rows with these knobs (one dict for all, or one a row;
+        default greedy) would do before its first token: measure the matrix multiplies, or make the kept
+        decode step (compiling takes a minute or so, loading a kept one seconds). Returns the seconds
+        making the compiled step ready took, 0 if not compiled; a script calls it before anything it
+        times or shows an ETA for."""
         check_request(self, [0], batch, 1, 0, None, None, {})  # as the smallest generate of `batch` rows would be
-        if self.keeps_step:
-            self.decoder(batch, self.model.cfg.context)
-        else:
+        if not self.keeps_step:
             self.kernel_model(batch)
-        return self.compile_seconds.get(batch, 0.0)
+            return 0.0
+        stages = stages_for(settings, self.model.cfg.vocab_size) if self.picks_in_step else None
+        self.kept_step(batch, stages)
+        return self.compile_seconds[batch, stages]
 
 
 def main():
@@ -172,7 +219,7 @@ def main():
     engine = FastEngine(model, tokenizer, **speed)
 
     def prepare():  # compiling (or measuring the kernels) first, so that no timing or ETA holds it
-        seconds = engine.prepare(args.n)
+        seconds = engine.prepare(args.n, [knobs])
         return f", {args.dtype}" + (f"; the compiled decode step ready in {seconds:.1f} s before" if args.compile else "")
     show_samples(engine, tokenizer, args, knobs, prepare)
 

@@ -59,7 +59,7 @@ def main():
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     tokens = prompt_ids(tokenizer, args.prompt, model)[0].tolist()
     engine = FastEngine(model, **speed) if fast else Engine(model)
-    compile_seconds = engine.prepare(len(SETTINGS)) if fast else 0.0  # before the progress line's ETA
+    compile_seconds = engine.prepare(len(SETTINGS), list(SETTINGS.values())) if fast else 0.0  # before the ETA
     rows = grid(engine, tokens, args.tokens, args.seed, "tokens")
     for name, row in rows.items():
         print(f"=== {name}")

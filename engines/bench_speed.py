@@ -85,6 +85,33 @@ def engine_forms(model):
             "engine_int8_compiled": FastEngine(model, dtype=torch.int8, compile=True)}
 
 
+COMPILED_FORMS = {"engine_compiled": "compiled", "engine_int8_compiled": "int8 compiled"}
+
+
+def step_alone(engine, batch, prompt, n, device):
+    """The compiled step a greedy generation of n tokens runs after its first, alone: n - 1 steps from the
+    prompt's end, each fed the tokens the one before picked, with no Python around it but the loop."""
+    step = engine.steps[batch, ()]
+
+    def run():
+        step.cache.reset()
+        step.cache.cache_seqlens.fill_(len(prompt))
+        step.knobs.set([{"temperature": 0}] * batch, prompt)
+        tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        for pos in range(len(prompt), len(prompt) + n - 1):
+            _, tokens = step(tokens, pos)
+    return run
+
+
+def outside_the_step(row, timed, batch, n):
+    """Each compiled form's step alone and its token (a generation of n tokens less one of 1 token, over
+    n - 1: what a token after the first costs), in ms, and the share of a token spent outside the step."""
+    for name in COMPILED_FORMS:
+        step = timed[name + ":step"][0] / (n - 1) * 1e3
+        token = (timed[name][0] - timed[name + ":first"][0]) / (n - 1) * 1e3
+        row.update({f"{name}_step_ms": step, f"{name}_token_ms": token, f"{name}_outside": token / step - 1})
+
+
 def table_decode(model, engines, device, sizes, runs, bandwidth, out):
     print("\n4. decode speed, the post's two loops timed whole beside the Engine: tok/s = batch x tokens / seconds")
     print("   (median, ± half range)")
@@ -92,7 +119,9 @@ def table_decode(model, engines, device, sizes, runs, bandwidth, out):
     print("   bf16: dtype=torch.bfloat16 (weights and cache); int8: dtype=torch.int8 (weights only, one scale per")
     print("   output channel, the cache float32), eager and compiled; their drift from float32 below")
     print("   Under each row, MB %bw: what a step must read (table 0's MB/step, at each form's dtype), and bytes a")
-    print("   step x steps a second over the measured bandwidth")
+    print("   step x steps a second over the measured bandwidth. Then, for each compiled form: its step alone (ms,")
+    print("   the compiled step with its pick, fed what it picked, n - 1 times), a token after the first (ms: n")
+    print("   tokens less 1 token, over n - 1) and the share of that token spent outside the step")
     print(f"{'batch':>5} {'tokens':>6} {'no cache':>14} {'cached.py':>14} {'Engine':>14} {'compiled':>14} "
           f"{'bf16':>14} {'int8':>14} {'int8 compiled':>14} {'cache/none':>10} {'Engine/cached':>13} "
           f"{'compiled/cached':>15} {'bf16/cached':>11} {'int8/cached':>11} {'int8 c/cached':>13}")
@@ -109,13 +138,18 @@ def table_decode(model, engines, device, sizes, runs, bandwidth, out):
                 raise SystemExit(f"bench.py: error: the compiled {eager} gave other tokens than the eager one")
         for n in sizes["lengths"]:
             row = {"batch": batch, "tokens": n}
-            timed = measure({name: lambda fn=fn: fn(idx, n) for name, fn in ways.items()}, runs, device,
-                            warmups={name: lambda fn=fn: fn(idx, 8) for name, fn in ways.items()},
+            fns = {name: lambda fn=fn: fn(idx, n) for name, fn in ways.items()}
+            for name in COMPILED_FORMS:
+                fns[name + ":first"] = lambda fn=ways[name]: fn(idx, 1)
+                fns[name + ":step"] = step_alone(engines[name], batch, prompt[0].tolist(), n, device)
+            timed = measure(fns, runs, device, warmups={name: lambda fn=fn: fn(idx, 8) for name, fn in ways.items()},
                             label=f"batch {batch}, {n} tokens:")
+            outside_the_step(row, timed, batch, n)
+            timed = {name: timed[name] for name in ways}
             for name, (t, spread) in timed.items():
                 row[name], row[name + "_spread"] = batch * n / t, spread
-            row["compile_seconds"] = engines["engine_compiled"].compile_seconds[batch]
-            row["int8_compile_seconds"] = engines["engine_int8_compiled"].compile_seconds[batch]
+            row["compile_seconds"] = engines["engine_compiled"].compile_seconds[batch, ()]
+            row["int8_compile_seconds"] = engines["engine_int8_compiled"].compile_seconds[batch, ()]
             for name in ways:
                 reads = engines[name].model if name in engines else model
                 put_bandwidth(row, name, bytes_per_step(reads, batch, n, cached=name != "no_cache"), bandwidth)
@@ -126,7 +160,10 @@ def table_decode(model, engines, device, sizes, runs, bandwidth, out):
                       f"{row['engine_int8'] / row['cached']:>10.2f}x "
                       f"{row['engine_int8_compiled'] / row['cached']:>12.2f}x")
             print(f"{batch:>5} {n:>6} {cells} {ratios}")
-            print(f"{'MB %bw':>12} {bandwidth_cells(row, ways, 13)}", flush=True)
+            print(f"{'MB %bw':>12} {bandwidth_cells(row, ways, 13)}")
+            print(f"{'':>12} " + "; ".join(
+                f"{label}: step {row[name + '_step_ms']:.3f} ms, token {row[name + '_token_ms']:.3f} ms, outside "
+                f"{row[name + '_outside']:.0%}" for name, label in COMPILED_FORMS.items()), flush=True)
         print(f"   batch {batch}: compiling the step took {row['compile_seconds']:.1f} s, int8 "
               f"{row['int8_compile_seconds']:.1f} s (not in the figures); Engine's kernel: "
               f"{engines['engine'].chosen[batch]}, int8's: {engines['engine_int8'].chosen[batch]}")

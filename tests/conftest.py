@@ -271,6 +271,8 @@ def one_plain_compile_way():
 # so every step the tests run compiled is compiled once, ahead, and loaded by the tests after.
 COMPILED = Config(d_model=64, n_heads=4, n_layers=2, context=32)
 COMPILED_ROWS = 3  # more than one: each row at its own position in the cache
+GREEDY_AND_SAMPLED = ({"temperature": 0}, {"temperature": 1.0})  # the compiled Engines' tests' knobs
+PICK_ROWS = (1, 16)
 
 
 def compiled_model():
@@ -285,15 +287,21 @@ def compiled_model():
 
 def compile_ahead(folder, plain_kept):
     """compiled_model()'s steps compiled into folder, as the tests run them: for COMPILED_ROWS rows float32
-    and int8 the plain way (then plain_kept is set: what the `compiled` fixture loads), ServingEngine's
-    steps over fewer rows, float32 the autotuned ways, and for one row float32 the dot-products way (what
+    and int8 the plain way, greedy and sampled (then plain_kept is set: what the `compiled` fixture loads),
+    for PICK_ROWS greedy and with every knob, ServingEngine's steps over fewer rows, float32 the autotuned ways, and for one row float32 the dot-products way (what
     `every_way_compiled` waits for)."""
     os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
     compile_ways.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()
     for dtype in (torch.float32, torch.int8):
-        fast_engine.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder).prepare(COMPILED_ROWS)
+        engine = fast_engine.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder)
+        for knobs in GREEDY_AND_SAMPLED:  # the step with each pick the tests ask of it
+            engine.prepare(COMPILED_ROWS, [knobs])
     plain_kept.set()
+    f32 = fast_engine.FastEngine(model, compile=True, compile_cache=folder)
+    for rows in PICK_ROWS:  # tests/test_graph_pick.py's: greedy, and every knob
+        for knobs in ({"temperature": 0}, {"top_k": 2, "top_p": 0.5}):
+            f32.prepare(rows, [knobs])
     serving.ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=folder)  # its fewer rows
     with torch.inference_mode():
         for batch, way in ((1, compile_ways.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned"),
@@ -341,9 +349,10 @@ def compiled(compiling, one_plain_compile_way):
         pass
     model = compiled_model()
     f32 = FastEngine(model, compile=True, compile_cache=folder)
-    f32.prepare(COMPILED_ROWS)
     int8 = FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder)
-    int8.prepare(COMPILED_ROWS)
+    for engine in (f32, int8):
+        for knobs in GREEDY_AND_SAMPLED:
+            engine.prepare(COMPILED_ROWS, [knobs])
     return SimpleNamespace(model=model, home=home, folder=folder, f32=f32, int8=int8)
 
 

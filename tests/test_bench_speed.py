@@ -42,8 +42,10 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     assert post["cache"] == {"tokens": cfg.context, "measured_bytes": full, "formula_bytes": full}
     engines = ("engine", "engine_compiled", "engine_bf16", "engine_int8", "engine_int8_compiled")
     methods = ("no_cache", "cached", *engines)
+    parts = {f"{form}_{part}" for form in ("engine_compiled", "engine_int8_compiled")
+             for part in ("step_ms", "token_ms", "outside")}  # a share outside the step may come out below 0
     decode_keys = {"batch", "tokens", "compile_seconds", "int8_compile_seconds", *methods,
-                   *(m + "_spread" for m in methods), *read_by(methods)}
+                   *(m + "_spread" for m in methods), *read_by(methods), *parts}
     assert len(report["decode"]) == 1 and all(set(r) == decode_keys for r in report["decode"])
     assert [r["config"] for r in report["memory"]] == ["Part 3 (4 heads)", "GQA (4 q heads, 1 kv head)"]
     # the post's figures: 2 x 6 x 256 x 256 x 4 bytes = 3.00 MiB; one kv head of four keeps a quarter
@@ -73,7 +75,8 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     assert all(d is None or 0 <= d < 16 for d in drifts.values())
     numbers = dict(positive_numbers({k: report[k] for k in ("post", "decode", "memory", "prefill_clone", "kernels",
                                                             "peers")}))
-    assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith("_spread")), numbers
+    assert numbers and all(v > 0 for k, v in numbers.items() if not k.endswith(("_spread", "_outside"))), numbers
+    assert "compiled: step " in stdout and "int8 compiled: step " in stdout
     assert "5. CUDA" in stdout and "skipped" in stdout
 
 

@@ -68,7 +68,7 @@ def assert_eager_tokens(engine, model, batch):
 
 def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens_at_every_step(kept):
     model, folder, engine = kept
-    step = engine.steps[B]
+    step = engine.steps[B, ()]
     assert step.package.startswith(str(folder))
     assert_eager_tokens(engine, model, B)
 
@@ -79,7 +79,7 @@ def test_one_compile_per_batch_serves_every_prompt_and_length(kept):
         for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
             eager = Engine(model).generate_batch(prompt, B, max_tokens=n, **knobs)[0]
             assert engine.generate_batch(prompt, B, max_tokens=n, **knobs)[0] == eager
-    assert list(engine.compile_seconds) == list(engine.steps) == [B]
+    assert list(engine.compile_seconds) == list(engine.steps) == [(B, ()), (B, ("temperature",))]
 
 
 @pytest.mark.parametrize("context", [1, 2, 5])
@@ -106,11 +106,11 @@ def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_ea
                                                                                          monkeypatch, capsys):
     model, folder, first = kept
     never_compile(monkeypatch)
-    kept_bytes = open(first.steps[B].package, "rb").read()
+    kept_bytes = open(first.steps[B, ()].package, "rb").read()
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
-    step = engine.steps[B]
-    assert step.loaded and step.package == first.steps[B].package
+    step = engine.steps[B, ()]
+    assert step.loaded and step.package == first.steps[B, ()].package
     assert f"for {B} rows: loaded from {step.package}" in capsys.readouterr().err
     assert_eager_tokens(engine, model, B)
     assert open(step.package, "rb").read() == kept_bytes
@@ -123,7 +123,7 @@ def test_a_kept_step_loads_without_a_cpp_compiler_and_one_to_compile_is_refused_
     never_compile(monkeypatch)
     engine = FastEngine(model, compile=True, compile_cache=folder)
     assert_eager_tokens(engine, model, B)
-    assert engine.steps[B].loaded
+    assert engine.steps[B, ()].loaded
     with pytest.raises(ValueError, match=r"^compiling on the CPU needs the C\+\+ compiler inductor builds its kernels "
                                          r"with \(no-such-c\+\+\).*, or run without compiling \(no compiled step is "
                                          r"kept at .*decode-step-\w+\.pt2\)$") as refused:
@@ -169,7 +169,7 @@ def test_weights_changed_in_place_are_refused_by_the_engine_and_compiled_anew_by
     model = copy.deepcopy(model)  # the same weights: the kept step serves it
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
-    assert engine.steps[B].loaded
+    assert engine.steps[B, ()].loaded
     with torch.no_grad():
         model.norm.weight.mul_(2)
     with pytest.raises(ValueError, match="weights changed after this Engine was made"):
@@ -198,9 +198,9 @@ def damaged(good, other):
 def test_a_damaged_or_foreign_package_is_said_in_one_line_left_as_it_is_and_compiled_anew(
         kept, compiled, light, what, tmp_path, monkeypatch, capsys):
     model, folder, first = kept
-    path = tmp_path / first.steps[B].package.rsplit("/", 1)[1]
-    good = open(first.steps[B].package, "rb").read()
-    int8 = open(compiled.int8.steps[B].package, "rb").read()  # the same rows, int8 weights: another key
+    path = tmp_path / first.steps[B, ()].package.rsplit("/", 1)[1]
+    good = open(first.steps[B, ()].package, "rb").read()
+    int8 = open(compiled.int8.steps[B, ()].package, "rb").read()  # the same rows, int8 weights: another key
     path.write_bytes(damaged(good, int8)[what])
     before = path.read_bytes()
 
@@ -212,15 +212,15 @@ def test_a_damaged_or_foreign_package_is_said_in_one_line_left_as_it_is_and_comp
     said = [line for line in capsys.readouterr().err.splitlines() if "cannot be used" in line]
     assert len(said) == 1 and said[0].endswith("compiling anew and leaving that file as it is (delete it to keep "
                                                "the new one there)")
-    assert not engine.steps[B].loaded and path.read_bytes() == before
+    assert not engine.steps[B, ()].loaded and path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary file left behind
     assert_eager_tokens(engine, model, B)
 
 
 def test_a_package_another_run_kept_while_this_one_compiled_is_left_as_it_is(kept, light, tmp_path, monkeypatch):
     model, folder, first = kept
-    good = open(first.steps[B].package, "rb").read()
-    path = tmp_path / first.steps[B].package.rsplit("/", 1)[1]
+    good = open(first.steps[B, ()].package, "rb").read()
+    path = tmp_path / first.steps[B, ()].package.rsplit("/", 1)[1]
 
     def compiled(program, package_path, inductor_configs):
         path.write_bytes(good + b"")  # the other run's, renamed into place first
@@ -239,10 +239,10 @@ def test_a_step_that_computes_something_else_is_refused_in_one_line(kept, light,
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.norm.weight.mul_(2)
-    made_for = step_key(model, first.steps[B].cache, LIGHT["cpu"]["plain"])
+    made_for = step_key(model, first.steps[B, ()].cache, LIGHT["cpu"]["plain"])
     # the other model's key were the first's
     monkeypatch.setattr(decode_step, "step_keys", lambda model, cache, ways: dict.fromkeys(ways, made_for))
-    shutil.copy(first.steps[B].package, tmp_path)
+    shutil.copy(first.steps[B, ()].package, tmp_path)
     never_compile(monkeypatch)
     with pytest.raises(RuntimeError, match=r"the compiled decode step \(.*\) does not compute what the eager "
                                            r"step does; delete that file and run again") as refused:
@@ -275,7 +275,7 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
     model, folder, _ = kept_every_way  # conftest.compile_ahead kept a package for each way there
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
-    step = engine.steps[B]
+    step = engine.steps[B, ()]
     assert set(step.way_ms) == set(ways) and len(ways) > 1
     assert step.way == min(step.way_ms, key=step.way_ms.get)
     assert_eager_tokens(engine, model, B)
@@ -291,8 +291,8 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
         compile_cache.keep_choice(choice, {name: 1.0 if name == faster else 2.0 for name in ways})
         engine = FastEngine(model, compile=True, compile_cache=folder)
         engine.prepare(B)
-        package = compile_cache.package_path(str(folder), step_key(model, engine.steps[B].cache, ways[faster]))
-        assert engine.steps[B].way == faster and engine.steps[B].package == package and loaded[-1:] == [package]
+        package = compile_cache.package_path(str(folder), step_key(model, engine.steps[B, ()].cache, ways[faster]))
+        assert engine.steps[B, ()].way == faster and engine.steps[B, ()].package == package and loaded[-1:] == [package]
         assert_eager_tokens(engine, model, B)
         loaded.clear()
     with open(choice, "w") as f:
@@ -301,7 +301,7 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
     monkeypatch.setattr(compile_ways, "COMPILE_WAYS", AS_SET)
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
-    assert engine.steps[B].loaded and set(engine.steps[B].way_ms) == set(ways)
+    assert engine.steps[B, ()].loaded and set(engine.steps[B, ()].way_ms) == set(ways)
     assert open(choice).read() == "{not json"
 
 
@@ -335,7 +335,7 @@ def test_one_rows_step_compiled_as_dot_products_gives_the_eager_tokens(kept_ever
     monkeypatch.setattr(compile_ways, "COMPILE_WAYS", {"cpu": {compile_ways.DOT_PRODUCTS: AS_SET["cpu"][compile_ways.DOT_PRODUCTS]}})
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(1)
-    assert engine.steps[1].way == compile_ways.DOT_PRODUCTS
+    assert engine.steps[1, ()].way == compile_ways.DOT_PRODUCTS
     assert_eager_tokens(engine, model, 1)
 
 
@@ -414,7 +414,7 @@ def test_a_way_that_fails_to_compile_is_said_and_the_run_goes_on_with_the_others
     monkeypatch.setattr(compile_ways, "COMPILE_WAYS", {"cpu": {"plain": {}, "unfused": {"epilogue_fusion": False}}})
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
-    assert engine.steps[B].way == "plain"
+    assert engine.steps[B, ()].way == "plain"
     assert "compiled 'unfused', failed inside inductor (CppCompileError: C++ compile error); run without " \
            "compiling, or see that the C++ compiler works; going on without that way" in capsys.readouterr().err
     assert_eager_tokens(engine, model, B)

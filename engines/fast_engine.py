@@ -76,8 +76,9 @@ class FastEngine(Engine):
     every prompt and length. On the CPU the compiled step picks the next tokens too (engines/graph_pick.py:
     the same tokens, the knobs in the program, made for the knobs a generation uses), so a token costs
     little more than its step. self.steps[batch, stages] is each step (stages None: no pick),
-    self.compile_seconds[batch, stages] what making it ready took. cuda_graph: replay each decode step as a CUDA graph (on a CPU the same
-    graph-safe step runs eagerly); with compile on CUDA the compiled step is what is captured.
+    self.compile_seconds[batch, stages] what making it ready took. cuda_graph: replay each decode step
+    as a CUDA graph (on a CPU the same graph-safe step runs eagerly); with compile on CUDA the compiled
+    step is what is captured.
     dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache; int8 for
     int8 copies of the Linear weights, quantized here, once (quantized()), with the embedding, the
     activations and the cache float32, the kernel chosen among INT8_KERNELS.

@@ -288,8 +288,8 @@ def compiled_model():
 def compile_ahead(folder, plain_kept):
     """compiled_model()'s steps compiled into folder, as the tests run them: for COMPILED_ROWS rows float32
     and int8 the plain way, greedy and sampled (then plain_kept is set: what the `compiled` fixture loads),
-    for PICK_ROWS greedy and with every knob, ServingEngine's steps over fewer rows, float32 the autotuned ways, and for one row float32 the dot-products way (what
-    `every_way_compiled` waits for)."""
+    for PICK_ROWS greedy and with every knob, ServingEngine's steps over fewer rows, float32 the autotuned
+    ways, and for one row float32 the dot-products way (what `every_way_compiled` waits for)."""
     os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
     compile_ways.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()

@@ -271,8 +271,7 @@ class DecodeStep:
     def _cache_put_back(self):
         """After the block, the cache as it was before it, the slots it attends to included (rehearsals and
         timings must not count as steps)."""
-        seen = [] if self.knobs is None else [self.knobs.seen]  # what a pick writes
-        live = (self.cache.k, self.cache.v, self.cache.cache_seqlens, *seen)
+        live = (self.cache.k, self.cache.v, self.cache.cache_seqlens, *([] if self.knobs is None else [self.knobs.seen]))
         saved, attended = [t.clone() for t in live], self.cache.attended
         try:
             yield live

@@ -89,17 +89,23 @@ COMPILED_FORMS = {"engine_compiled": "compiled", "engine_int8_compiled": "int8 c
 
 
 def step_alone(engine, batch, prompt, n, device):
-    """The compiled step a greedy generation of n tokens runs after its first, alone: n - 1 steps from the
-    prompt's end, each fed the tokens the one before picked, with no Python around it but the loop."""
-    step = engine.steps[batch, ()]
+    """The kept step a greedy generation of n tokens runs after its first, alone: n - 1 steps from the
+    prompt's end, each fed the tokens the one before picked (where the step picks; else the same tokens
+    throughout, which cost what any do), with no Python around it but the loop."""
+    engine.prepare(batch)
+    stages = () if engine.picks_in_step else None
+    step = engine.steps[batch, stages]
 
+    @torch.inference_mode()
     def run():
         step.cache.reset()
         step.cache.cache_seqlens.fill_(len(prompt))
-        step.knobs.set([{"temperature": 0}] * batch, prompt)
         tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        if stages is not None:
+            step.knobs.set([{"temperature": 0}] * batch, prompt)
         for pos in range(len(prompt), len(prompt) + n - 1):
-            _, tokens = step(tokens, pos)
+            out = step(tokens, pos)
+            tokens = tokens if stages is None else out[1]
     return run
 
 
@@ -142,14 +148,14 @@ def table_decode(model, engines, device, sizes, runs, bandwidth, out):
             for name in COMPILED_FORMS:
                 fns[name + ":first"] = lambda fn=ways[name]: fn(idx, 1)
                 fns[name + ":step"] = step_alone(engines[name], batch, prompt[0].tolist(), n, device)
-            timed = measure(fns, runs, device, warmups={name: lambda fn=fn: fn(idx, 8) for name, fn in ways.items()},
-                            label=f"batch {batch}, {n} tokens:")
+            warmups = {name: (lambda fn=ways[name]: fn(idx, 8)) if name in ways else fn for name, fn in fns.items()}
+            timed = measure(fns, runs, device, warmups=warmups, label=f"batch {batch}, {n} tokens:")
             outside_the_step(row, timed, batch, n)
             timed = {name: timed[name] for name in ways}
             for name, (t, spread) in timed.items():
                 row[name], row[name + "_spread"] = batch * n / t, spread
-            row["compile_seconds"] = engines["engine_compiled"].compile_seconds[batch, ()]
-            row["int8_compile_seconds"] = engines["engine_int8_compiled"].compile_seconds[batch, ()]
+            row["compile_seconds"] = engines["engine_compiled"].prepare(batch)  # made already: what it took
+            row["int8_compile_seconds"] = engines["engine_int8_compiled"].prepare(batch)
             for name in ways:
                 reads = engines[name].model if name in engines else model
                 put_bandwidth(row, name, bytes_per_step(reads, batch, n, cached=name != "no_cache"), bandwidth)

@@ -222,7 +222,8 @@ class DecodeStep:
         inputs = self._inputs()
         example = (*inputs[:4], self._half_the_slots(), *inputs[5:])
         attended = {0: torch.export.Dim("attended", min=1, max=slots)} if slots > 1 else None
-        dynamic = (None, None, None, None, attended, (None,) * (len(inputs) - 5))  # the knobs: one *args
+        knobs = len(inputs) - 5  # the pick's: one *args, which export leaves out where it is empty
+        dynamic = (None, None, None, None, attended, *([(None,) * knobs] if knobs else []))
         with COMPILED_ATTENTION[way["attention"]]() if "attention" in way else contextlib.nullcontext():
             return torch.export.export(StepProgram(way_model(self.model, way), self.cache, self.pick), example,
                                        dynamic_shapes=dynamic, strict=False)

@@ -201,7 +201,9 @@ class FastEngine(Engine):
         decode step (compiling takes a minute or so, loading a kept one seconds). Returns the seconds
         making the compiled step ready took, 0 if not compiled; a script calls it before anything it
         times or shows an ETA for."""
-        check_request(self, [0], batch, 1, 0, None, None, {})  # as the smallest generate of `batch` rows would be
+        settings = list(settings)  # checked as the smallest generate of `batch` rows with these knobs would be
+        knobs = dict(settings[0]) if len(settings) == 1 else {"settings": settings}
+        settings = check_request(self, [0], batch, 1, 0, None, None, knobs)[2]
         if not self.keeps_step:
             self.kernel_model(batch)
             return 0.0

@@ -4,7 +4,8 @@ sampling.pick branches on its knobs' values, one call per group of rows that sha
 program cannot. Here every row runs the same steps, its knobs tensors of the batch (Knobs), and a row's
 knob that asks for nothing leaves its scores as they were: the same operations on the same values as
 sampling.pick, so each row gets the token the lesson's Engine picks for it. The program is made for
-the knobs some row of the generation uses (stages_for), so a greedy run does not pay for a sort.
+the knobs some row of the generation uses (stages_for), so a greedy run does not pay for a sort, nor
+one without a penalty for the penalty's float64 pass.
 
 The draw: ATen's multinomial, for one sample, is the exponential race (the Gumbel-max trick): it draws
 an Exp(1) for every vocabulary entry from the row's generator and takes argmax(p / q). Knobs.draw makes
@@ -18,15 +19,18 @@ ends where the lesson's would (tests/test_graph_pick.py checks both).
 import torch
 import torch.nn as nn
 
-STAGES = ("temperature", "top_k", "top_p")  # in the order sampling.pick applies them
+STAGES = ("penalty", "temperature", "top_k", "top_p")  # in the order sampling.pick applies them
 
 
 def stages_for(settings, vocab_size):
-    """The knobs some row of `settings` (one dict of sampling.pick's knobs per row) uses; () is greedy."""
-    used = {"temperature": any(s.get("temperature", 1.0) != 0 for s in settings),
-            "top_k": any(0 < s.get("top_k", 0) < vocab_size for s in settings),
-            "top_p": any(s.get("top_p", 1.0) < 1.0 for s in settings)}
-    return tuple(name for name in STAGES if used["temperature"] and used[name])
+    """The knobs some row of `settings` (one dict of sampling.pick's knobs per row) uses; () is greedy with
+    no penalty. Top-k and top-p count only where some row draws: a greedy row ignores them."""
+    drawing = any(s.get("temperature", 1.0) != 0 for s in settings)
+    used = {"penalty": any(s.get("penalty", 1.0) != 1.0 for s in settings),
+            "temperature": drawing,
+            "top_k": drawing and any(0 < s.get("top_k", 0) < vocab_size for s in settings),
+            "top_p": drawing and any(s.get("top_p", 1.0) < 1.0 for s in settings)}
+    return tuple(name for name in STAGES if used[name])
 
 
 class Knobs:
@@ -71,7 +75,10 @@ def penalized(logits, seen, penalty):
         return torch.where(seen, torch.where(scores > 0, scores / by, scores * by), scores)
     out = push_down(logits, penalty)
     wide = push_down(logits.double(), penalty.double())
-    return torch.where(out.isinf().any(-1, keepdim=True), (wide - wide.amax(-1, keepdim=True)).to(out.dtype), out)
+    # isinf().any() as the row's largest magnitude, a reduction inductor vectorizes: the same rows wherever the
+    # scores are finite (a finite score pushed down is never NaN), and a row that is not is marked -1 anyway
+    overflows = out.abs().amax(-1, keepdim=True) == float("inf")
+    return torch.where(overflows, (wide - wide.amax(-1, keepdim=True)).to(out.dtype), out)
 
 
 class GraphPick(nn.Module):
@@ -80,15 +87,18 @@ class GraphPick(nn.Module):
 
     def __init__(self, stages):
         super().__init__()
-        assert all(s in STAGES for s in stages) and (not stages or stages[0] == "temperature"), stages
+        assert list(stages) == [s for s in STAGES if s in stages], stages
+        assert "temperature" in stages or not {"top_k", "top_p"} & set(stages), "top-k and top-p come with a draw"
         self.stages = tuple(stages)
 
     def forward(self, logits, token, seen, penalty, temperature, greedy, top_k, top_p, nucleus, noise):
         finite = logits.abs().amax(-1, keepdim=True).isfinite()  # model.check_finite's test, a row at a time
-        seen.scatter_(1, token, True)  # the token fed is in the history from now on
-        logits = penalized(logits.float(), seen, penalty)
+        logits = logits.float()
+        if "penalty" in self.stages:
+            seen.scatter_(1, token, True)  # the token fed is in the history from now on
+            logits = penalized(logits, seen, penalty)
         best = logits.argmax(-1, keepdim=True)
-        if self.stages:
+        if "temperature" in self.stages:
             best = torch.where(greedy, best, self.drawn(logits, temperature, top_k, top_p, nucleus, noise))
         return torch.where(finite, best, -1)
 

@@ -300,7 +300,7 @@ def compile_ahead(folder, plain_kept):
     plain_kept.set()
     f32 = fast_engine.FastEngine(model, compile=True, compile_cache=folder)
     for rows in PICK_ROWS:  # tests/test_graph_pick.py's: greedy, and every knob
-        for knobs in ({"temperature": 0}, {"top_k": 2, "top_p": 0.5}):
+        for knobs in ({"temperature": 0}, {"top_k": 2, "top_p": 0.5, "penalty": 1.1}):
             f32.prepare(rows, [knobs])
     serving.ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=folder)  # its fewer rows
     with torch.inference_mode():

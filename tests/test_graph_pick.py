@@ -55,7 +55,8 @@ def test_the_program_is_made_only_for_the_knobs_some_row_uses():
     assert stages_for([dict(temperature=0), dict(temperature=0, top_k=5, top_p=0.5)], VOCAB) == ()
     assert stages_for([dict(temperature=0), dict(temperature=0.5)], VOCAB) == ("temperature",)
     assert stages_for([dict(temperature=1.0, top_k=VOCAB)], VOCAB) == ("temperature",)  # top_k asks for nothing
-    assert stages_for([dict(top_p=0.9), dict(top_k=3)], VOCAB) == STAGES
+    assert stages_for([dict(temperature=0, penalty=1.0), dict(temperature=0, penalty=1.2)], VOCAB) == ("penalty",)
+    assert stages_for([dict(top_p=0.9), dict(top_k=3, penalty=0.9)], VOCAB) == STAGES
 
 
 ROW_SETTINGS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.1, top_k=20, penalty=1.3),
@@ -72,7 +73,7 @@ def test_the_compiled_loop_gives_the_lesson_engines_tokens_greedy_and_sampled(ro
         assert fast.generate_batch(PROMPT, rows, max_tokens=n, **kwargs) == \
             lesson.generate_batch(PROMPT, rows, max_tokens=n, **kwargs)
     forced = [[1, 2, 3]] + [[]] * (rows - 1)  # forced tokens are fed in place of the pick; a stop ends a row
-    kwargs = dict(temperature=0.9, top_k=30, top_p=0.95, forced=forced, stop=[PROMPT[0]])
+    kwargs = dict(temperature=0.9, top_k=30, top_p=0.95, penalty=1.1, forced=forced, stop=[PROMPT[0]])
     assert fast.generate_batch(PROMPT, rows, max_tokens=n, **kwargs) == \
         lesson.generate_batch(PROMPT, rows, max_tokens=n, **kwargs)
     assert {stages for batch, stages in fast.steps if batch == rows} == {(), STAGES}

@@ -252,6 +252,15 @@ def test_prepare_refuses_what_a_generate_of_that_many_rows_would_before_allocati
         FastEngine(model).prepare(batch if isinstance(batch, (int, float)) else 1)
 
 
+@pytest.mark.parametrize("settings, message", [
+    ([{"temperature": -1}], "temperature"), ([{"top_q": 0.5}], "unknown sampling knob 'top_q'"),
+    ([{"temperature": 0}] * 2, "settings is a list of 2, but num_samples is 3"),
+], ids=["bad-value", "unknown-knob", "rows-mismatch"])
+def test_prepare_refuses_the_knobs_a_generate_would(settings, message):
+    with pytest.raises(ValueError, match=message):
+        FastEngine(CachedGPT(SMALL).eval()).prepare(3, settings)
+
+
 def test_a_compiler_that_is_found_but_does_not_compile_is_refused_in_one_line(tmp_path, monkeypatch):
     broken = tmp_path / "c++"
     broken.write_text("#!/bin/sh\necho 'c++: fatal error: cannot execute cc1plus' >&2\nexit 1\n")

@@ -60,12 +60,12 @@ def check_compiler(device, otherwise="or leave out --compile"):
 # attention exported as its arithmetic (attention_as_math), which inductor fuses with the rest, where ATen's
 # flash attention for one query per row costs more than the arithmetic. Besides inductor's options, a way
 # may name the product its Linears are exported with ("linears", one of COMPILED_LINEARS), its attention
-# ("attention": "math") and the rows it is worth compiling for ("min_rows", "max_rows": past one row, dot
+# ("attention": "math") and the most rows it is worth compiling for ("max_rows": past one row, dot
 # products are several times slower; at one row, they beat every other product). Which way is fastest
 # depends on the CPU and the rows, so DecodeStep compiles (or loads) each and times them side by side on the
 # machine it runs on (bench.py table 3 shows the figures). AOTInductor calls the graph from C++.
 COMPILED_LINEARS = {"dot_products": dot_products}
-WAY_FIELDS = ("linears", "attention", "min_rows", "max_rows")  # a way's own; the rest are inductor's options
+WAY_FIELDS = ("linears", "attention", "max_rows")  # a way's own; the rest are inductor's options
 DOT_PRODUCTS, ATTENTION_AS_MATH = "dot products", "autotuned, attention as math"
 AUTOTUNED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
              "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
@@ -73,7 +73,7 @@ COMPILE_WAYS = {"cpu": {"autotuned": AUTOTUNED,
                         "plain": {},
                         DOT_PRODUCTS: {"linears": "dot_products", "max_rows": 1,
                                        "realize_cpu_opcount_threshold": 0, "realize_reads_threshold": 1},
-                        ATTENTION_AS_MATH: {**AUTOTUNED, "attention": "math", "min_rows": 2}},
+                        ATTENTION_AS_MATH: {**AUTOTUNED, "attention": "math"}},
                 "cuda": {"plain": {}}}
 
 
@@ -82,7 +82,7 @@ def compile_ways(device, batch, int8=False):
     without freezing: frozen, inductor folds each weight's dequantization into a float32 copy kept in the
     program, which then reads four times the bytes, the float32 step with int8's rounding."""
     ways = {name: way for name, way in COMPILE_WAYS[device.type].items()
-            if way.get("min_rows", 1) <= batch <= way.get("max_rows", batch)}
+            if batch <= way.get("max_rows", batch)}
     if int8:
         ways = {name: {option: value for option, value in way.items() if option != "freezing"}
                 for name, way in ways.items()}

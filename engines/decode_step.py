@@ -78,6 +78,9 @@ class StepProgram(nn.Module):
         cache = copy.copy(self.cache)  # the same cache, its stored tensors the program's inputs
         cache.heads_k, cache.heads_v, cache.cache_seqlens, cache.attended = heads_k, heads_v, cache_seqlens, attended
         cache.k, cache.v = heads_k.transpose(2, 3), heads_v.transpose(2, 3)
+        # a row the pick marked -1 (its scores not finite) is fed on as token 0, where steps run ahead of their
+        # tokens being taken (FastEngine.generate_batch): its tokens are never taken, the mark is raised first
+        token = token.clamp(min=0)
         logits = self.model.step(token, cache, cache_seqlens.long())
         return logits if self.pick is None else (logits, self.pick(logits, token, *knobs))
 

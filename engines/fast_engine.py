@@ -28,6 +28,10 @@ from model import check_finite
 from prefill_clone import Engine, KVCache, add_sample_flags, clone_prompt, sample_knobs, show_samples
 
 
+# the steps generate_batch runs back to back: enough that the Python after them is a small share of theirs,
+# few enough that the scores kept for their finiteness check stay small
+AHEAD = 16
+
 # int8: the weights only (Int8Linear), the activations and the cache float32
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -52,17 +56,22 @@ def speed_flags(args):
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each element size
 
 
+def checksum(p):
+    """The sums of p's bits, laid out as its rows (its first dimension) of 64-bit words: each row's sum and
+    each column's. A change of one value moves its row's sum; a swap of two moves their rows' sums, or, in
+    one row, their columns' sums, or, in one word, that word. Two reductions that only read (a copy or a
+    difference of the weights would write as much again, and cost it)."""
+    grid = p.detach().reshape(len(p) if p.dim() else 1, -1)
+    words = grid.view(torch.int64) if grid.shape[1] * p.element_size() % 8 == 0 else grid.view(
+        BITS[p.element_size()]).long()  # a row that is not whole words: a small tensor (a bias, a norm's weight)
+    return words.sum(1).tolist(), words.sum(0).tolist()
+
+
 def weights_state(model):
     """What the model's weights are now: each tensor, where its data lives, its version counter and a checksum
-    of its values' bits (their sum, and the sum of each xor its neighbour, so a swap of two moves it too).
-    The checksum is what notices a write through p.data, in place or a new tensor assigned, as older
-    training and EMA code does: it moves neither the tensor nor its version counter."""
-    state = []
-    for p in model.parameters():
-        bits = p.detach().reshape(-1).view(BITS[p.element_size()])
-        checksum = (bits.sum(dtype=torch.int64).item(), (bits[1:] ^ bits[:-1]).sum(dtype=torch.int64).item())
-        state.append((p, p.data_ptr(), 0 if p.is_inference() else p._version, checksum))
-    return state
+    of its values' bits (checksum()). The checksum is what notices a write through p.data, in place or a new
+    tensor assigned, as older training and EMA code does: it moves neither the tensor nor its version counter."""
+    return [(p, p.data_ptr(), 0 if p.is_inference() else p._version, checksum(p)) for p in model.parameters()]
 
 
 class FastEngine(Engine):
@@ -109,6 +118,7 @@ class FastEngine(Engine):
         self.picks_in_step = compile and device.type == "cpu"  # a CUDA graph is captured around the step only
         self.chosen, self.kernel_models, self.caches = {}, {}, {}  # keyed by batch
         self.steps, self.compile_seconds = {}, {}  # keyed by (batch, the pick's stages or None)
+        self.ahead = 1  # the compiled steps decode runs before their tokens are taken (generate_batch sets it)
 
     def kernel_model(self, batch):
         """self.model with its products run by the kernel measured fastest for `batch` rows (or fixed)."""
@@ -146,11 +156,23 @@ class FastEngine(Engine):
             self.steps[batch, stages], self.compile_seconds[batch, stages] = step, step.compile_seconds
         return self.steps[batch, stages]
 
+    def generate_batch(self, tokens, num_samples=1, **kwargs):
+        """The lesson's generate_batch. Its caller cannot act between steps, so where no stop and no forced token
+        is asked for (nothing a step's token decides for the next), decode runs the steps AHEAD at a time."""
+        self.ahead = AHEAD if kwargs.get("stop") is None and kwargs.get("forced") is None else 1
+        try:
+            return super().generate_batch(tokens, num_samples, **kwargs)
+        finally:
+            self.ahead = 1
+
     def decode(self, rows, generators, settings, stops_at, max_tokens):
         """The lesson's decode loop, or, where the compiled step picks: each step feeds the tokens the last
         one picked, with no pick, tensor or check outside it but the rows' bookkeeping (take) and each
         drawing row's noise from its generator. The first token is the lesson's pick from the prompt's
-        scores; a forced token is fed in place of the pick."""
+        scores; a forced token is fed in place of the pick. With self.ahead above 1 (generate_batch) the steps
+        run that many back to back before their tokens are taken, one after the other as each step's would
+        be: the same tokens, and the Python between steps, which costs more there than its lines suggest
+        (a step leaves the CPU's caches cold), once for all of them."""
         if not self.picks_in_step:
             yield from super().decode(rows, generators, settings, stops_at, max_tokens)
             return
@@ -163,15 +185,23 @@ class FastEngine(Engine):
         step.knobs.set(settings, rows[0].tokens)
         history = prompt.expand(len(rows), -1) if any(s.get("penalty", 1.0) != 1.0 for s in settings) else None
         tokens = self.pick(check_finite(logits, 0), history, generators, settings).view(-1, 1)
-        pos = prompt.shape[1]
-        for n in range(1, max_tokens + 1):
-            picked = tokens.view(-1).tolist()
-            if min(picked) < 0:  # the step marks a row whose scores are not finite
-                check_finite(logits, n - 1)
-            column, masks = self.take(rows, picked, stops_at)
-            yield column, masks
-            if n == max_tokens or all(row.completed for row in rows):
-                return
+        pos, n = prompt.shape[1], 0
+        while True:
+            scores, picks = [logits], [tokens]  # the steps run whose tokens are not taken yet
+            while len(picks) < min(self.ahead, max_tokens - n):
+                step.knobs.draw(generators)
+                logits, tokens = step(tokens, pos)
+                pos += 1
+                scores.append(logits)
+                picks.append(tokens)
+            for logits, picked in zip(scores, zip(*torch.cat(picks, 1).tolist())):
+                n += 1
+                if min(picked) < 0:  # the step marks a row whose scores are not finite
+                    check_finite(logits, n - 1)
+                column, masks = self.take(rows, picked, stops_at)
+                yield column, masks
+                if n == max_tokens or all(row.completed for row in rows):
+                    return
             if 0 in masks:
                 tokens = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
             step.knobs.draw(generators)

@@ -98,8 +98,8 @@ def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, mon
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("change", ["in place through .data", "a new tensor assigned to .data", "two values swapped",
-                                    "in place, tracked"])
+@pytest.mark.parametrize("change", ["in place through .data", "a new tensor assigned to .data", "two neighbours swapped",
+                                    "two values of a row swapped", "two values of a column swapped", "in place, tracked"])
 def test_weights_changed_any_way_after_the_engine_was_made_are_refused(dtype, change):
     model = small()
     engine = FastEngine(model, dtype=dtype)
@@ -110,8 +110,12 @@ def test_weights_changed_any_way_after_the_engine_was_made_are_refused(dtype, ch
             w.data.mul_(1.01)
         elif change == "a new tensor assigned to .data":
             w.data = w.data * 1.01
-        elif change == "two values swapped":
+        elif change == "two neighbours swapped":  # one 64-bit word of the checksum's
             w.data[0, :2] = w.data[0, :2].flip(0).clone()
+        elif change == "two values of a row swapped":  # the same half of two words of one row
+            w.data[0, [0, 2]] = w.data[0, [2, 0]].clone()
+        elif change == "two values of a column swapped":
+            w.data[[0, 5], 1] = w.data[[5, 0], 1].clone()
         else:
             w.mul_(1.01)
     with pytest.raises(ValueError, match="the model's weights changed after this Engine was made"):

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import sampling
-from conftest import PROMPT
+from conftest import COMPILED_ROWS, PROMPT
 from engines.compile_ways import compiler_missing
+from engines import fast_engine
 from engines.fast_engine import FastEngine
 from engines.graph_pick import GraphPick, Knobs, STAGES, stages_for
 from prefill_clone import Engine
@@ -77,3 +78,60 @@ def test_the_compiled_loop_gives_the_lesson_engines_tokens_greedy_and_sampled(ro
     assert fast.generate_batch(PROMPT, rows, max_tokens=n, **kwargs) == \
         lesson.generate_batch(PROMPT, rows, max_tokens=n, **kwargs)
     assert {stages for batch, stages in fast.steps if batch == rows} == {(), STAGES}
+
+
+def counted_steps(engine, rows, marked_at=None):
+    """The kept greedy step for `rows` rows, its calls counted; from call `marked_at` on (if given) it returns
+    what the pick returns for scores that are not finite: row 0 marked -1, its scores NaN."""
+    engine.prepare(rows)
+    step = engine.steps[rows, ()]
+    run, calls = step.run, []
+
+    def counted():
+        calls.append(1)
+        logits, tokens = run()
+        if marked_at is not None and len(calls) >= marked_at:
+            logits, tokens = logits.clone(), tokens.clone()
+            logits[0], tokens[0] = float("nan"), -1
+        return logits, tokens
+    step.run = counted
+    return calls, run, step
+
+
+@pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
+@pytest.mark.parametrize("rows", [1, 16])
+def test_generate_batch_runs_the_steps_ahead_only_where_no_token_decides_the_next_and_none_past_the_end(
+        rows, every_way_compiled):
+    engine = FastEngine(every_way_compiled.model, compile=True, compile_cache=every_way_compiled.folder)
+    calls, run, step = counted_steps(engine, rows)
+    try:
+        n = engine.model.cfg.context + 5  # past the window, and more than AHEAD steps (one run ahead, then the rest)
+        assert fast_engine.AHEAD < n - 1 and (n - 1) % fast_engine.AHEAD
+        tokens = engine.generate_batch(PROMPT, rows, max_tokens=n, temperature=0)[0]
+        assert len(calls) == n - 1 and [len(t) for t in tokens] == [n] * rows  # no step for the last token
+        stop = tokens[0][2]  # every row is greedy from one prompt: all stop at their third token
+        calls.clear()
+        assert [len(t) for t in engine.generate_batch(PROMPT, rows, max_tokens=n, temperature=0, stop=[stop])[0]] == \
+            [tokens[0].index(stop) + 1] * rows
+        assert len(calls) == tokens[0].index(stop)  # with a stop, a step at a time: none past it
+    finally:
+        step.run = run
+
+
+@pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
+@pytest.mark.parametrize("marked_at", [1, 3, fast_engine.AHEAD + 2])
+def test_scores_that_are_not_finite_stop_the_steps_run_ahead_at_their_token_as_a_step_at_a_time_does(
+        marked_at, every_way_compiled):
+    engine = FastEngine(every_way_compiled.model, compile=True, compile_cache=every_way_compiled.folder)
+    calls, run, step = counted_steps(engine, COMPILED_ROWS, marked_at)
+    try:
+        message = f"scores for new token {marked_at} are NaN or infinite"
+        with pytest.raises(ValueError, match=message):  # the steps ahead: the marked row fed on, its mark raised
+            engine.generate_batch(PROMPT, COMPILED_ROWS, max_tokens=3 * fast_engine.AHEAD, temperature=0)
+        calls.clear()
+        with pytest.raises(ValueError, match=message):  # a step at a time
+            for _ in engine.generate(PROMPT, COMPILED_ROWS, max_tokens=3 * fast_engine.AHEAD, temperature=0):
+                pass
+        assert len(calls) == marked_at
+    finally:
+        step.run = run

@@ -186,14 +186,8 @@ class FastEngine(Engine):
         history = prompt.expand(len(rows), -1) if any(s.get("penalty", 1.0) != 1.0 for s in settings) else None
         tokens = self.pick(check_finite(logits, 0), history, generators, settings).view(-1, 1)
         pos, n = prompt.shape[1], 0
+        scores, picks = [logits], [tokens]  # the steps' scores and tokens not taken yet
         while True:
-            scores, picks = [logits], [tokens]  # the steps run whose tokens are not taken yet
-            while len(picks) < min(self.ahead, max_tokens - n):
-                step.knobs.draw(generators)
-                logits, tokens = step(tokens, pos)
-                pos += 1
-                scores.append(logits)
-                picks.append(tokens)
             for logits, picked in zip(scores, zip(*torch.cat(picks, 1).tolist())):
                 n += 1
                 if min(picked) < 0:  # the step marks a row whose scores are not finite
@@ -204,9 +198,13 @@ class FastEngine(Engine):
                     return
             if 0 in masks:
                 tokens = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
-            step.knobs.draw(generators)
-            logits, tokens = step(tokens, pos)
-            pos += 1
+            scores, picks = [], []
+            while len(picks) < min(self.ahead, max_tokens - n):  # the next steps, back to back
+                step.knobs.draw(generators)
+                logits, tokens = step(tokens, pos)
+                pos += 1
+                scores.append(logits)
+                picks.append(tokens)
 
     def pick(self, logits, history, generators, settings):
         """The Engine's pick, all rows in one call where they share their knobs (as they mostly do): the

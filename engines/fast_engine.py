@@ -62,8 +62,10 @@ def checksum(p):
     one row, their columns' sums, or, in one word, that word. Two reductions that only read (a copy or a
     difference of the weights would write as much again, and cost it)."""
     grid = p.detach().reshape(len(p) if p.dim() else 1, -1)
-    words = grid.view(torch.int64) if grid.shape[1] * p.element_size() % 8 == 0 else grid.view(
-        BITS[p.element_size()]).long()  # a row that is not whole words: a small tensor (a bias, a norm's weight)
+    # rows of whole words that start at a word (a parameter may be a view into a larger tensor), else each
+    # value widened: a small tensor, such as a bias or a norm's weight
+    in_words = grid.shape[1] * p.element_size() % 8 == 0 and grid.storage_offset() * p.element_size() % 8 == 0
+    words = grid.view(torch.int64) if in_words else grid.view(BITS[p.element_size()]).long()
     return words.sum(1).tolist(), words.sum(0).tolist()
 
 

@@ -97,9 +97,18 @@ def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, mon
     assert message in run[2] and run[1] == ""
 
 
+def test_the_weights_checksum_reads_a_parameter_that_starts_inside_a_word_and_sees_a_swap_in_it():
+    p = torch.nn.Parameter(torch.randn(41)[1:].view(10, 4))  # a view one float32 into its storage
+    before = fast_engine.checksum(p)
+    with torch.no_grad():
+        p[0, [0, 2]] = p[0, [2, 0]].clone()
+    assert fast_engine.checksum(p) != before
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("change", ["in place through .data", "a new tensor assigned to .data", "two neighbours swapped",
-                                    "two values of a row swapped", "two values of a column swapped", "in place, tracked"])
+@pytest.mark.parametrize("change", ["in place through .data", "a new tensor assigned to .data",
+                                    "two neighbours swapped", "two values of a row swapped",
+                                    "two values of a column swapped", "in place, tracked"])
 def test_weights_changed_any_way_after_the_engine_was_made_are_refused(dtype, change):
     model = small()
     engine = FastEngine(model, dtype=dtype)

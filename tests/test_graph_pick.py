@@ -109,7 +109,7 @@ def test_generate_batch_runs_the_steps_ahead_only_where_no_token_decides_the_nex
         assert fast_engine.AHEAD < n - 1 and (n - 1) % fast_engine.AHEAD
         tokens = engine.generate_batch(PROMPT, rows, max_tokens=n, temperature=0)[0]
         assert len(calls) == n - 1 and [len(t) for t in tokens] == [n] * rows  # no step for the last token
-        stop = tokens[0][2]  # every row is greedy from one prompt: all stop at their third token
+        stop = tokens[0][2]  # every row is greedy from one prompt: all stop where it first comes, by the third token
         calls.clear()
         assert [len(t) for t in engine.generate_batch(PROMPT, rows, max_tokens=n, temperature=0, stop=[stop])[0]] == \
             [tokens[0].index(stop) + 1] * rows

@@ -41,6 +41,14 @@ def needs(module):
     return pytest.importorskip(module, reason=f"{module} is not installed: pip install -r requirements-serve.txt")
 
 
+@pytest.fixture
+def inductor_cxx():
+    """Names the C++ compiler inductor builds with, for one test, through torch's own config patching:
+    pytest's monkeypatch of torch's config leaves it broken for every later test on torch 2.14."""
+    with contextlib.ExitStack() as stack:
+        yield lambda name: stack.enter_context(torch._inductor.config.patch({"cpp.cxx": (None, name)}))
+
+
 def sha256(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()

@@ -120,9 +120,9 @@ def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_ea
 
 
 def test_a_kept_step_loads_without_a_cpp_compiler_and_one_to_compile_is_refused_in_one_line(kept, light,
-                                                                                             monkeypatch):
+                                                                                             monkeypatch, inductor_cxx):
     model, folder, _ = kept
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-c++"))
+    inductor_cxx("no-such-c++")
     never_compile(monkeypatch)
     engine = FastEngine(model, compile=True, compile_cache=folder)
     assert_eager_tokens(engine, model, B)

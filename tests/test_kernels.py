@@ -105,8 +105,9 @@ def test_a_batch_too_large_for_memory_is_refused_before_any_row_is_allocated(mon
     assert_refused(run, "matmul.py: error: --batches 3000000 (a step's inputs and outputs) needs ")
 
 
-def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything_compiles(monkeypatch, capsys):
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-c++"))
+def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything_compiles(monkeypatch, capsys,
+                                                                                          inductor_cxx):
+    inductor_cxx("no-such-c++")
     assert "C++ compiler inductor builds its kernels with (no-such-c++)" in compile_ways.compiler_missing("cpu")
     with pytest.raises(ValueError, match=r"\(no-such-c\+\+\), and there is none here; install one "
                                          r"\(apt-get install g\+\+\) or name one in CXX, or run without "
@@ -261,11 +262,11 @@ def test_prepare_refuses_the_knobs_a_generate_would(settings, message):
         FastEngine(CachedGPT(SMALL).eval()).prepare(3, settings)
 
 
-def test_a_compiler_that_is_found_but_does_not_compile_is_refused_in_one_line(tmp_path, monkeypatch):
+def test_a_compiler_that_is_found_but_does_not_compile_is_refused_in_one_line(tmp_path, inductor_cxx):
     broken = tmp_path / "c++"
     broken.write_text("#!/bin/sh\necho 'c++: fatal error: cannot execute cc1plus' >&2\nexit 1\n")
     broken.chmod(0o755)
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, str(broken)))
+    inductor_cxx(str(broken))
     reason = compile_ways.compiler_missing("cpu")
     assert reason == (f"compiling on the CPU needs a C++ compiler that works, and {broken} does not (c++: fatal error: "
                       "cannot execute cc1plus); install one (apt-get install g++) or name one in CXX")

@@ -1,8 +1,8 @@
 """Serve the checkpoint to many users at once: an OpenAI-compatible HTTP server and a chat page.
 
     pip install -r requirements.txt -r requirements-serve.txt
-    python serve.py [CHECKPOINT] [--host 127.0.0.1] [--port 8000] [--rows 16] [--cache-mib MIB] [--queue 64]
-                    [--prefill-chunk 128] [--eager] [--compile-cache DIR]
+    python serve.py [CHECKPOINT] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--allow-host NAME[:PORT]]
+                    [--rows 16] [--cache-mib MIB] [--queue 64] [--prefill-chunk 128] [--eager] [--compile-cache DIR]
 
 then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client at it:
 
@@ -15,7 +15,8 @@ rest waiting, up to --queue; one more is answered 429), whose prefix cache keeps
 within --cache-mib, so a chat's next turn prefills only its new tokens. Its decode steps are compiled
 (about ten minutes on 2 cores the first time, every way worth trying timed) or loaded from the compile
 cache before the server says it is ready; --eager (or no C++ compiler here) runs them eager instead,
-several times slower under load. The HTTP side, its fields and its chat template are engines/server.py's.
+several times slower under load. The HTTP side, its fields and its chat template are engines/server.py's;
+who may use it (the Host and Origin a request names, --api-key, the body's size) engines/http_policy.py's.
 One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, finishes those in
 flight and exits.
 """
@@ -87,8 +88,14 @@ def main():
     ap = Parser(description="An OpenAI-compatible server and a chat page on the continuous-batching engine.")
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("--tokenizer", default="tokenizer.json")
-    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface; "
+                                                         "beyond loopback, --api-key or --allow-host is needed)")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free one (the ready line names it)")
+    ap.add_argument("--api-key", metavar="KEY", help="every request but the page and /health must send "
+                                                     "'Authorization: Bearer KEY' (an OpenAI client's api_key)")
+    ap.add_argument("--allow-host", metavar="NAME[:PORT]", action="append", default=[],
+                    help="a name clients reach the server by, beside localhost's (repeat for more); a request "
+                         "naming another Host is refused")
     ap.add_argument("--rows", type=int, default=16, help="requests decoding together, one row each")
     ap.add_argument("--cache-mib", type=int, default=None,
                     help="memory for the prefix cache's blocks, in MiB, beside the rows' own (default: as much as "
@@ -114,8 +121,14 @@ def main():
     from engines.blocks import blocks_for_bytes, blocks_per_row
     from engines.compile_cache import check_compile_cache
     from engines.compile_ways import compiler_missing
+    from engines.http_policy import allowed_hosts, is_loopback
     from engines.server import create_app
     from engines.serving import ServingEngine
+    if args.api_key == "":
+        raise BadValue("--api-key must not be empty")
+    if not is_loopback(args.host) and not (args.api_key or args.allow_host):
+        raise BadValue(f"--host {args.host} listens beyond this machine: give --api-key KEY (every client must send "
+                       "it) or --allow-host NAME for each name clients reach it by")
     compile = not args.eager
     if compile and (missing := compiler_missing("cpu")):
         print(f"serve.py: {missing}; the decode step runs eager (--eager says so and quiets this line)",
@@ -134,8 +147,9 @@ def main():
     engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE, cache_blocks=blocks,
                            prefill_chunk=args.prefill_chunk, compile=compile, compile_cache=compile_cache)
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
-    app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue)
     host, port = sock.getsockname()[:2]
+    app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue,
+                     allowed_hosts(args.host, port, args.allow_host), args.api_key)
     where = f"[{host}]" if ":" in host else host
     rows = ", ".join(map(str, engine.steps))
     step = f"the decode step compiled for {rows} rows" if compile else f"the decode step eager, for {rows} rows"

@@ -30,20 +30,24 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from errors import BadValue
+from engines.http_policy import HttpPolicy, Refused
 from engines.serving import Request as EngineRequest
 
 CHAT_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 CHAT_TEMPLATE = """One line a message, its role's name, a colon, a space and its content ("System: ...", "User: ...",
 "Assistant: ..."; "developer" reads as System), joined by newlines, then a last line "Assistant:" for the
-model to go on from. The reply ends at max_tokens, at a stop string, or where the model begins the next
-"User:" line (the server adds "\\nUser:" to the stops); the whitespace before its first character (the
+model to go on from. A message whose content holds a line that begins with a role's name and a colon is
+refused: it would read as a message of that role, so one text could speak for others. The reply ends at
+max_tokens, at a stop string, or where the model begins a line of a role (the server adds ROLE_LINES to the
+stops, so a reply sent back as history is never refused); the whitespace before its first character (the
 space after "Assistant:") is dropped, so the reply sent back as history reads as the model wrote it."""
 ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
-NEXT_TURN = "\nUser:"
+ROLE_LINES = [f"\n{name}:" for name in ("System", "User", "Assistant")]
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is what the window has left
 NUMBER, WHOLE = (int, float), (int,)
 # Every field a request may carry: its JSON types and its default (where absent or null). `model`: any name is
@@ -67,17 +71,6 @@ NOT_OFFERED = {"n": ((1,), "one choice a request; send n requests, each with its
                "suffix": (("",), "no insertion mode"), "logit_bias": (({},), "no logit bias; use stop, top_k or top_p"),
                "tools": (([],), "the model has no tools"), "tool_choice": (("none", "auto"), "the model has no tools"),
                "response_format": (({"type": "text"},), "plain text only")}
-
-
-class Refused(Exception):
-    """A request answered with OpenAI's error JSON, {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, message, param=None, status=400, kind="invalid_request_error", code=None):
-        super().__init__(message)
-        self.param, self.status, self.kind, self.code = param, status, kind, code
-
-    def body(self):
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def refusal(error):
@@ -140,6 +133,10 @@ def chat_prompt(messages):
         if role not in ROLES or not isinstance(content, str):
             raise Refused(f'messages[{i}] must be {{"role": one of {sorted(ROLES)}, "content": text}}, got '
                           f"{shown(message)}", f"messages[{i}]")
+        if forged := min((line for line in ROLE_LINES if line in content), key=content.index, default=None):
+            raise Refused(f"messages[{i}]'s content holds a line that begins {forged[1:]!r}, which would read as a "
+                          "message of that role; send it as a message of its own, or begin the line otherwise",
+                          f"messages[{i}]")
         lines.append(f"{ROLES[role]}: {content}")
     return "\n".join(lines + ["Assistant:"])
 
@@ -259,9 +256,10 @@ def sse(data):
     return f"data: {json.dumps(data)}\n\n"
 
 
-def create_app(engine, tokenizer, model_id, context, rows, queue_limit):
+def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, api_key=None):
     """The Starlette app serving `engine` (a ServingEngine of `rows` rows, run by an EngineLoop that lets
-    queue_limit more requests wait) as `model_id`, a model of `context` positions."""
+    queue_limit more requests wait) as `model_id`, a model of `context` positions, behind engines/http_policy.py's
+    rules: hosts, http_policy.allowed_hosts(); api_key, the key every request needs (None: none)."""
     loop = EngineLoop(engine, rows + queue_limit)
 
     @contextlib.asynccontextmanager
@@ -287,7 +285,7 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit):
         except (ValueError, UnicodeDecodeError) as e:
             raise Refused(f"the request body is not valid JSON ({e})") from None
         fields = read_request(body, "messages" if chat else "prompt")
-        ids, stops = prompt_ids(fields), fields["stop"] + ([NEXT_TURN] if chat else [])
+        ids, stops = prompt_ids(fields), fields["stop"] + (ROLE_LINES if chat else [])
         max_tokens = fields["max_tokens"]
         if max_tokens is None:
             max_tokens = max(context - len(ids), 1) if chat else COMPLETION_DEFAULT_TOKENS
@@ -373,6 +371,8 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit):
               Route("/v1/completions", functools.partial(answer, chat=False), methods=["POST"]),
               Route("/v1/chat/completions", functools.partial(answer, chat=True), methods=["POST"])]
     handlers = {kind: refused for kind in (Refused, BadValue, HTTPException, Exception)}
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    with open(CHAT_PAGE, encoding="utf-8") as f:
+        policy = Middleware(HttpPolicy, hosts=hosts, api_key=api_key, page=f.read())
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=[policy])
     app.state.engine_loop = loop
     return app

@@ -14,8 +14,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -27,11 +25,10 @@ uvicorn = needs("uvicorn")
 needs("starlette")
 
 from cached import load_pair  # noqa: E402
-from engines.server import create_app  # noqa: E402
 from engines.serving import ServingEngine  # noqa: E402
+from servers import HANG_GUARD, Running, wait_for  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-HANG_GUARD = 120  # seconds: only a hang ever waits this long
 ELEMENT = "element-6066-11e4-a52e-4f735466cecf"  # the W3C key of an element reference
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
@@ -49,13 +46,6 @@ def browser_or_skip():
 def free_port():
     with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
-
-
-def wait_for(condition, what):
-    deadline = time.monotonic() + HANG_GUARD
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {HANG_GUARD}s for {what}"
-        time.sleep(0.05)
 
 
 class WebDriver:
@@ -119,22 +109,14 @@ class WebDriver:
 def page_server():
     """The real server in a thread on a free localhost port: its URL, and a function asking it directly."""
     model, tokenizer = load_pair(os.path.join(ROOT, "holmes.pt"), os.path.join(ROOT, "tokenizer.json"))
-    app = create_app(ServingEngine(model, tokenizer, max_rows=4), tokenizer, "holmes", model.cfg.context, 4, 4)
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, "the server to start")
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    running = Running(ServingEngine(model, tokenizer, max_rows=4), tokenizer, model.cfg.context, 4, 4)
 
     def ask(body):
-        request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=HANG_GUARD) as response:
-            return json.loads(response.read())
-    yield url, ask
-    server.should_exit = True
-    thread.join(HANG_GUARD)
+        status, answer = running.http("POST", "/v1/chat/completions", body)
+        assert status == 200, answer
+        return answer
+    yield running.url, ask
+    running.close()
 
 
 @pytest.fixture

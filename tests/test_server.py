@@ -19,8 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -28,76 +26,14 @@ import torch
 from conftest import ROOT, assert_refused, needs, run_main
 
 openai = needs("openai")
-uvicorn = needs("uvicorn")
+needs("uvicorn")
 needs("starlette")
 
 from cached import load_pair  # noqa: E402
-from engines.server import create_app  # noqa: E402
-from engines.serving import ServingEngine  # noqa: E402
+from servers import HANG_GUARD, Running, Watched, wait_for  # noqa: E402
 
-HANG_GUARD = 120  # seconds: only a hang ever waits this long
 SYSTEM = ("You are Sherlock Holmes, the consulting detective of Baker Street. Answer as he would, "
           "briefly, and name what you observe.")
-
-
-class Watched(ServingEngine):
-    """The real engine with a gate before each step (closed, it holds the steps, so the test decides what is
-    in flight instead of racing the machine's speed) and a record of its events and cancels."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate, self.made, self.cancelled = threading.Event(), [], []
-        self.gate.set()
-
-    def step(self):
-        self.gate.wait(HANG_GUARD)
-        events = super().step()
-        self.made += events
-        return events
-
-    def cancel(self, request_id):
-        self.cancelled.append(request_id)
-        super().cancel(request_id)
-
-
-class Running:
-    """create_app's server on uvicorn in a thread, on a free localhost port, and an openai client for it."""
-
-    def __init__(self, engine, tokenizer, context, rows, queue_limit):
-        self.engine = engine
-        self.app = create_app(engine, tokenizer, "holmes", context, rows, queue_limit)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, "the server to start")
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
-                                    timeout=HANG_GUARD, max_retries=0)  # no retry: a 429 must reach the test
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(HANG_GUARD)
-
-    def http(self, method, path, body=None):
-        """(status, JSON) of one raw request; body: bytes as they are, anything else as JSON."""
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=HANG_GUARD)
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        connection.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        status, answer = response.status, response.read()
-        connection.close()
-        return status, json.loads(answer)
-
-    def in_flight(self):
-        return self.http("GET", "/health")[1]["in_flight"]
-
-
-def wait_for(condition, what):
-    deadline = time.monotonic() + HANG_GUARD
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {HANG_GUARD}s for {what}"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -286,12 +222,14 @@ def test_a_client_that_hangs_up_is_cancelled_and_its_row_serves_the_next_request
         body = json.dumps({"model": "holmes", "messages": [{"role": "user", "content": "Speak"}], "stream": stream,
                            "max_tokens": max_tokens, "temperature": 0}).encode()
         connection = socket.create_connection(("127.0.0.1", gated.port), timeout=HANG_GUARD)
-        connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json"
+                           b"\r\nContent-Length: %d\r\n\r\n%s" % (gated.port, len(body), body))
         if stream:  # the role chunk comes before any token
             received = b""
             while b"data:" not in received:
-                received += connection.recv(4096)
+                part = connection.recv(4096)
+                assert part, received  # closed before the role chunk
+                received += part
         wait_for(lambda: gated.in_flight() == 1, "the request in flight")
         cancels = len(engine.cancelled)
         connection.close()

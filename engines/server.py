@@ -48,6 +48,7 @@ stops, so a reply sent back as history is never refused); the whitespace before 
 space after "Assistant:") is dropped, so the reply sent back as history reads as the model wrote it."""
 ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 ROLE_LINES = [f"\n{name}:" for name in ("System", "User", "Assistant")]
+MAX_STOPS, MAX_STOP_CHARS = 4, 64  # OpenAI's 4 stop strings; every token is checked against each
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is what the window has left
 NUMBER, WHOLE = (int, float), (int,)
 # Every field a request may carry: its JSON types and its default (where absent or null). `model`: any name is
@@ -117,6 +118,14 @@ def read_request(body, prompt_field):
     stops = [fields["stop"]] if isinstance(fields["stop"], str) else fields["stop"]
     if not all(isinstance(s, str) and s for s in stops):
         raise Refused(f"stop must be a non-empty string or a list of them, got {shown(fields['stop'])}", "stop")
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise Refused(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+    options = fields["stream_options"]
+    if options and not fields["stream"]:
+        raise Refused('stream_options is for a stream only ("stream": true)', "stream_options")
+    if set(options) - {"include_usage"} or any(type(v) is not bool for v in options.values()):
+        raise Refused(f'stream_options takes {{"include_usage": true or false}} alone, got {shown(options)}',
+                      "stream_options")
     return {**fields, prompt_field: body[prompt_field], "stop": stops}
 
 
@@ -127,6 +136,9 @@ def chat_prompt(messages):
     lines = []
     for i, message in enumerate(messages):
         role, content = (message.get("role"), message.get("content")) if isinstance(message, dict) else (None, None)
+        if unknown := sorted(set(message) - {"role", "content"}) if isinstance(message, dict) else None:
+            raise Refused(f"messages[{i}].{unknown[0]} is not offered: a message is its role and content alone",
+                          f"messages[{i}]")
         if isinstance(content, list):  # OpenAI's content parts: text parts only
             parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
             content = "".join(parts) if all(isinstance(p, str) for p in parts) else None
@@ -268,24 +280,39 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
         yield
         loop.stop()  # after uvicorn has drained the requests in flight
 
+    most_bytes = (context - 1) * max(map(len, tokenizer.vocab))  # a longer text takes at least `context` tokens
+
     def prompt_ids(fields):
         """The chat template's tokens, or /v1/completions' prompt: a string or token ids, or either alone in a list."""
         prompt = chat_prompt(fields["messages"]) if "messages" in fields else fields["prompt"]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            if (size := len(prompt.encode())) > most_bytes:
+                raise Refused(f"the prompt is {size} bytes; more than {most_bytes} can never fit the model's "
+                              f"{context}-token window", "messages" if "messages" in fields else "prompt")
             return tokenizer.encode(prompt)
+        if isinstance(prompt, list) and len(prompt) >= context:
+            raise Refused(f"the prompt is {len(prompt)} token ids; at most {context - 1} fit the model's window", "prompt")
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
             return prompt  # the engine checks each id against the vocabulary
         raise Refused("prompt must be a string or a list of token ids (one prompt a request)", "prompt")
 
+    def parsed(data, chat):
+        """The request's fields and its prompt's token ids, or Refused: CPU work, run off the event loop."""
+        try:  # a deep nesting raises RecursionError in json's loads and dumps (a refused value is shown)
+            try:
+                body = json.loads(data)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise Refused(f"the request body is not valid JSON ({e})") from None
+            fields = read_request(body, "messages" if chat else "prompt")
+            return fields, prompt_ids(fields)
+        except RecursionError:
+            raise Refused("the request body is nested too deeply") from None
+
     async def answer(request, chat):
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise Refused(f"the request body is not valid JSON ({e})") from None
-        fields = read_request(body, "messages" if chat else "prompt")
-        ids, stops = prompt_ids(fields), fields["stop"] + (ROLE_LINES if chat else [])
+        fields, ids = await asyncio.to_thread(parsed, await request.body(), chat)
+        stops = fields["stop"] + (ROLE_LINES if chat else [])
         max_tokens = fields["max_tokens"]
         if max_tokens is None:
             max_tokens = max(context - len(ids), 1) if chat else COMPLETION_DEFAULT_TOKENS

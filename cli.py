@@ -163,6 +163,11 @@ def check_count(name, n):
         raise BadValue(f"{name} must be a whole number >= 0, got {n!r}")
 
 
+def check_least(name, value, least):
+    if not value >= least:  # a NaN too
+        raise BadValue(f"{name} must be at least {least}, got {value}")
+
+
 def as_id(token, what, limit, within="the vocabulary"):
     """An integer-like (int, numpy or 0-d tensor integer; not a bool) in 0..limit-1, as an int."""
     try:

@@ -27,7 +27,7 @@ import socket
 import sys
 
 # first: cli.check_start says in one line what would stop torch from starting
-from cli import Parser, check_count, check_fits, run_cli
+from cli import Parser, check_count, check_fits, check_least, run_cli
 from errors import BadValue
 
 from cached import load_pair
@@ -81,6 +81,9 @@ def serve(app, sock, ready_line):
         Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has stopped
         pass
+    engine_loop = app.state.engine_loop
+    if engine_loop.thread.is_alive():  # a forced exit skips the lifespan's stop: a step cut off at exit aborts
+        engine_loop.stop()
     print("serve.py: stopped", file=sys.stderr)
 
 
@@ -112,10 +115,8 @@ def main():
     args = ap.parse_args()
     check_count("--queue", args.queue)
     check_count("--cache-mib", args.cache_mib or 0)
-    if args.rows < 1:
-        raise BadValue(f"--rows must be at least 1, got {args.rows}")
-    if args.prefill_chunk < 1:
-        raise BadValue(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    check_least("--rows", args.rows, 1)
+    check_least("--prefill-chunk", args.prefill_chunk, 1)
     for package in ("uvicorn", "starlette"):  # one missing is said in one line naming the requirements file
         peers.engine(package)
     from engines.blocks import blocks_for_bytes, blocks_per_row

@@ -23,7 +23,6 @@ replay's wall time; time to first token and inter-token latency, p50 and p95; pr
 against served from cache (usage.prompt_tokens_details.cached_tokens); turn 1 against turn 10 time to first
 token of the chats (medians); and the issue's targets, met or not. An engine that cannot run is said so.
 """
-import argparse
 import http.client
 import json
 import multiprocessing
@@ -36,6 +35,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from cli import Parser, check_least, run_cli
 
 import torch
 
@@ -232,7 +233,7 @@ def summary(records, wall):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=16, help="requests in flight at most; llama-server's slots")
     ap.add_argument("--requests", type=int, default=160)
     ap.add_argument("--seed", type=int, default=0)
@@ -246,6 +247,8 @@ def main():
     ap.add_argument("--skip", default="", help="engines to leave out, comma-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    for name, least in (("clients", 1), ("requests", 1), ("rate", 0.01), ("think", 0), ("max_tokens", 1), ("threads", 1)):
+        check_least("--" + name.replace("_", "-"), getattr(args, name), least)
     from timing import machine
     info = machine(torch.device("cpu")) | {"threads": args.threads}
     sessions, bpe, results = build_trace(args.requests, args.seed, args.rate, args.think), BPE.load("tokenizer.json"), {}
@@ -309,4 +312,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -31,6 +31,7 @@ import uuid
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -198,7 +199,10 @@ class EngineLoop:
                     self.failed = f"the engine failed ({type(e).__name__}: {e}); restart the server"
                     self.loop.call_soon_threadsafe(self.fail_all)
                     return
-                self.loop.call_soon_threadsafe(self.deliver, events)
+                try:
+                    self.loop.call_soon_threadsafe(self.deliver, events)
+                except RuntimeError:  # the event loop is closed: a forced exit, with nobody left to deliver to
+                    return
 
     def next_item(self, wait):
         try:
@@ -311,11 +315,17 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
             raise Refused("the request body is nested too deeply") from None
 
     async def answer(request, chat):
-        fields, ids = await asyncio.to_thread(parsed, await request.body(), chat)
+        try:
+            data = await request.body()
+        except ClientDisconnect:  # gone mid-body: nobody to answer
+            return Response(status_code=499)
+        fields, ids = await asyncio.to_thread(parsed, data, chat)
         stops = fields["stop"] + (ROLE_LINES if chat else [])
         max_tokens = fields["max_tokens"]
         if max_tokens is None:
             max_tokens = max(context - len(ids), 1) if chat else COMPLETION_DEFAULT_TOKENS
+        if max_tokens > context:  # said before the engine's memory check, which would not name the field
+            raise Refused(f"max_tokens {max_tokens} is more than the model's {context}-token window", "max_tokens")
         job = EngineRequest(id=uuid.uuid4().hex, prompt=ids, max_tokens=max_tokens, stop=stops,
                             seed=secrets.randbits(63) if fields["seed"] is None else fields["seed"],  # OpenAI's: fresh
                             temperature=fields["temperature"], top_k=fields["top_k"], top_p=fields["top_p"],

@@ -13,7 +13,7 @@ compiled, or loaded from the compile cache, before the chats start.
 import random
 import time
 
-from cli import Parser, run_cli
+from cli import Parser, check_least, run_cli
 
 import torch
 
@@ -82,6 +82,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="the decode step compiled (or loaded from the compile cache)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    for name, value, least in (("--chats", args.chats, 1), ("--tokens", args.tokens, 1), ("--threads", args.threads, 0)):
+        check_least(name, value, least)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer)

@@ -163,6 +163,7 @@ BAD = [  # (what, path, body, the field the error names or None)
     ("a temperature that is text", "/v1/completions", {"prompt": "Hi", "temperature": "hot"}, "temperature"),
     ("top_p past 1", "/v1/completions", {"prompt": "Hi", "top_p": 2}, "top_p"),
     ("negative max_tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
+    ("max_tokens past the window", "/v1/completions", {"prompt": "Hi", "max_tokens": 10**12}, "max_tokens"),
     ("n=2", "/v1/completions", {"prompt": "Hi", "n": 2}, "n"),
     ("a frequency penalty", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "Hi"}], "frequency_penalty": 0.5}, "frequency_penalty"),
@@ -324,6 +325,22 @@ def test_serve_py_on_a_signal_finishes_its_stream_and_exits_0_saying_so(serve_pr
     err = process.stderr.read()
     assert "serve.py: stopping; finishing the" in err and "serve.py: stopped" in err, err
     assert "Traceback" not in err
+
+
+def test_serve_py_on_a_second_ctrl_c_cuts_its_stream_off_and_exits_0_without_aborting(serve_process):
+    """Before: the engine's thread, mid-step at exit, aborted the process ("terminate called without an active
+    exception", exit 134)."""
+    process, url = serve_process
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=HANG_GUARD)
+    ask = {"prompt": "The night was", "max_tokens": 250, "temperature": 0, "stream": True}
+    connection.request("POST", "/v1/completions", body=json.dumps(ask), headers={"Content-Type": "application/json"})
+    assert connection.getresponse().readline().startswith(b"data: {")  # a token is out: the request is in flight
+    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(HANG_GUARD) == 0
+    err = process.stderr.read()
+    assert "serve.py: stopped" in err and "terminate called" not in err and "Traceback" not in err, err
 
 
 def test_serve_refuses_a_port_in_use_or_out_of_range_in_one_line(monkeypatch, capsys):

@@ -14,7 +14,7 @@ import torch
 
 from bpe import BPE
 from cached import CachedAttention
-from conftest import COMPILED, COMPILED_ROWS, TOKENIZER, compiled_model, run_main
+from conftest import COMPILED, COMPILED_ROWS, TOKENIZER, assert_refused, compiled_model, run_main
 from errors import BadValue
 from engines.blocks import PrefixCache, blocks_for_bytes, digests_of
 from engines.decode_step import GraphCache
@@ -477,3 +477,18 @@ def test_serving_check_on_the_shipped_checkpoint_finds_every_request_equal_to_th
     assert status == 0, err
     turns = [line for line in out.splitlines() if line.startswith("turn ")]
     assert len(turns) == 2 and all("tokens equal the Engine's alone" in line for line in turns), out
+
+
+@pytest.mark.parametrize("tool, flags, message", [
+    ("serving_check", ["--chats", "-1"], "--chats must be at least 1, got -1"),
+    ("serving_check", ["--threads", "-3"], "--threads must be at least 0, got -3"),
+    ("bench_serving", ["--clients", "0"], "--clients must be at least 1, got 0"),
+    ("bench_serving", ["--threads", "0"], "--threads must be at least 1, got 0"),
+    ("bench_serving", ["--requests", "-1"], "--requests must be at least 1, got -1"),
+    ("bench_serving", ["--think", "nan"], "--think must be at least 0, got nan"),
+])
+def test_the_serving_tools_refuse_a_count_they_cannot_run_in_one_line(tool, flags, message, monkeypatch, capsys):
+    """Before: --chats -1 checked nothing and said every request was equal, --clients 0 hung, --requests -1 ran 10."""
+    import importlib
+    main = importlib.import_module(f"engines.{tool}").main
+    assert_refused(run_main(main, [tool, *flags], monkeypatch, capsys), f"{tool}: error: {message}")

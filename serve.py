@@ -12,29 +12,35 @@ then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client a
 
 Requests run on engines/serving.py's continuous-batching engine (--rows of them decoding together, the
 rest waiting, up to --queue; one more is answered 429), whose prefix cache keeps requests' keys and values
-within --cache-mib, so a chat's next turn prefills only its new tokens. Its decode steps are compiled
-(about ten minutes on 2 cores the first time, every way worth trying timed) or loaded from the compile
-cache before the server says it is ready; --eager (or no C++ compiler here) runs them eager instead,
-several times slower under load. The HTTP side, its fields and its chat template are engines/server.py's;
+within --cache-mib, so a chat's next turn prefills only its new tokens. It serves within seconds on its
+eager decode steps; the compiled ones are made in a process of their own (about ten minutes on 2 cores the
+first time, every way worth trying timed; loaded from the compile cache after) and swapped in between two
+steps, the tokens unchanged, a line on stderr saying when. --eager (or no C++ compiler here) keeps them
+eager, several times slower under load. The HTTP side, its fields and its chat template are engines/server.py's;
 who may use it (the Host and Origin a request names, --api-key, the body's size) engines/http_policy.py's.
 One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, finishes those in
-flight and exits.
+flight (for at most STOP_SECONDS: a client that stalls cannot hold the stop) and exits.
 """
 import errno
 import logging
+import multiprocessing
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 
 # first: cli.check_start says in one line what would stop torch from starting
 from cli import Parser, check_count, check_fits, check_least, run_cli
-from errors import BadValue
+from errors import BadValue, CompileFailed
 
 from cached import load_pair
 from checks import cache_bytes
 from engines import peers
 
 BLOCK_SIZE = 16  # tokens a cache block holds: small blocks suit a 256-token window
+STOP_SECONDS = 60  # a stop waits this long for the requests in flight: a full window of tokens takes far less
 
 
 def listening_socket(host, port):
@@ -55,8 +61,34 @@ def listening_socket(host, port):
     return sock
 
 
-def serve(app, sock, ready_line):
-    """Run the app on uvicorn until Ctrl-C or SIGTERM; in flight requests are finished first."""
+def keep_compiled_steps(checkpoint, tokenizer_path, rows, compile_cache):
+    """In a process of its own: the serving engine's decode steps compiled into compile_cache, or found kept."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to answer: it ends this process
+    os.nice(10)  # the server's own threads first
+    from engines.serving import ServingEngine
+    model, tokenizer = load_pair(checkpoint, tokenizer_path)
+    try:
+        ServingEngine(model.requires_grad_(False), tokenizer, max_rows=rows, compile=True, compile_cache=compile_cache)
+    except CompileFailed as e:
+        sys.exit(f"serve.py: {e}; the decode steps stay eager")
+
+
+def swap_in_compiled(engine, engine_loop, compiling, compile_cache):
+    """Once the process `compiling` has kept the compiled decode steps, load them here and hand them to the engine."""
+    started = time.monotonic()
+    compiling.join()
+    if compiling.exitcode != 0:  # it said why, or the server stopped it
+        return
+    steps = engine.compiled_steps(compile_cache)
+    engine_loop.use_steps(steps)
+    print(f"serve.py: the compiled decode steps for {', '.join(map(str, steps))} rows serve from the next step on "
+          f"(ready {time.monotonic() - started:.0f} s after the server; the same tokens as the eager ones)",
+          file=sys.stderr, flush=True)
+
+
+def serve(app, sock, ready_line, compiling=None):
+    """Run the app on uvicorn until Ctrl-C or SIGTERM; in flight requests are finished first, and the process
+    `compiling` (if any) is ended."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -72,11 +104,12 @@ def serve(app, sock, ready_line):
 
         async def shutdown(self, sockets=None):
             in_flight = len(app.state.engine_loop.queues)
-            print(f"serve.py: stopping; finishing the {in_flight} request(s) in flight (Ctrl-C again cuts them off)",
+            print(f"serve.py: stopping; finishing the {in_flight} request(s) in flight, for {STOP_SECONDS} s at most "
+                  "(Ctrl-C again cuts them off)",
                   file=sys.stderr, flush=True)
             await super().shutdown(sockets)
 
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=None, lifespan="on")
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_SECONDS, lifespan="on")
     try:
         Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has stopped
@@ -84,6 +117,9 @@ def serve(app, sock, ready_line):
     engine_loop = app.state.engine_loop
     if engine_loop.thread.is_alive():  # a forced exit skips the lifespan's stop: a step cut off at exit aborts
         engine_loop.stop()
+    if compiling is not None and compiling.is_alive():
+        compiling.terminate()
+        compiling.join()
     print("serve.py: stopped", file=sys.stderr)
 
 
@@ -108,8 +144,8 @@ def main():
                     help="prompt tokens computed a step beside the decoding rows (more: a prompt's first token "
                          "sooner, the running rows' next later)")
     ap.add_argument("--eager", action="store_true",
-                    help="run the decode step eager: no compiling (by default it is compiled the first time, minutes, "
-                         "then loaded from the compile cache)")
+                    help="keep the decode step eager: no compiling (by default the compiled steps, made in the "
+                         "background the first time, minutes, then loaded from the compile cache, take over)")
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
     args = ap.parse_args()
@@ -145,17 +181,26 @@ def main():
               blocks_for_bytes(model, args.cache_mib * 2**20, BLOCK_SIZE))
     mib = (rows_bytes + blocks * block_bytes) / 2**20
     check_fits(rows_bytes + blocks * block_bytes, f"{mib:.0f} MiB of cache (--rows, --cache-mib)", model.emb.weight.device)
-    engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE, cache_blocks=blocks,
-                           prefill_chunk=args.prefill_chunk, compile=compile, compile_cache=compile_cache)
+    # eager steps serve at once; compiled ones are made in a process of their own and swapped in when ready
+    engine = ServingEngine(model.requires_grad_(False), tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE,
+                           cache_blocks=blocks, prefill_chunk=args.prefill_chunk)
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
     host, port = sock.getsockname()[:2]
     app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue,
                      allowed_hosts(args.host, port, args.allow_host), args.api_key)
+    rows, compiling = ", ".join(map(str, engine.steps)), None
+    step = f"the decode step eager, for {rows} rows"
+    if compile:
+        compiling = multiprocessing.get_context("spawn").Process(
+            target=keep_compiled_steps, args=(args.checkpoint, args.tokenizer, args.rows, compile_cache))
+        compiling.start()
+        threading.Thread(target=swap_in_compiled, args=(engine, app.state.engine_loop, compiling, compile_cache),
+                         daemon=True).start()
+        step += " until the compiled ones are ready (a line says when)"
     where = f"[{host}]" if ":" in host else host
-    rows = ", ".join(map(str, engine.steps))
-    step = f"the decode step compiled for {rows} rows" if compile else f"the decode step eager, for {rows} rows"
     serve(app, sock, f"serve.py: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, queue {args.queue}, "
-                     f"{mib:.0f} MiB of cache, {blocks} blocks of it the prefix cache's; {step}); Ctrl-C stops")
+                     f"{mib:.0f} MiB of cache, {blocks} blocks of it the prefix cache's; {step}); Ctrl-C stops",
+          compiling)
 
 
 if __name__ == "__main__":

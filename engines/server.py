@@ -186,7 +186,7 @@ class EngineLoop:
                 if kind == "stop":
                     return
                 try:
-                    self.engine.submit(payload) if kind == "submit" else self.engine.cancel(payload)
+                    getattr(self.engine, kind)(payload)  # submit, cancel or use_steps
                     done.set_result(None)
                 except Exception as e:  # a BadValue: the request's values; anything else a bug, answered as one
                     done.set_exception(e)
@@ -224,6 +224,10 @@ class EngineLoop:
 
     def cancel(self, request_id):
         self.inbox.put(("cancel", request_id, concurrent.futures.Future()))
+
+    def use_steps(self, steps):
+        """Hand the engine decode steps to run from its next step on (ServingEngine.use_steps), from any thread."""
+        self.inbox.put(("use_steps", steps, concurrent.futures.Future()))
 
     async def submit(self, request):
         """Admit a request: an async iterator of its events, or Refused (a full server, a value refused)."""

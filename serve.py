@@ -68,7 +68,7 @@ def keep_compiled_steps(checkpoint, tokenizer_path, rows, compile_cache):
     from engines.serving import ServingEngine
     model, tokenizer = load_pair(checkpoint, tokenizer_path)
     try:
-        ServingEngine(model.requires_grad_(False), tokenizer, max_rows=rows, compile=True, compile_cache=compile_cache)
+        ServingEngine(model, tokenizer, max_rows=rows, compile=True, compile_cache=compile_cache)
     except CompileFailed as e:
         sys.exit(f"serve.py: {e}; the decode steps stay eager")
 
@@ -182,7 +182,7 @@ def main():
     mib = (rows_bytes + blocks * block_bytes) / 2**20
     check_fits(rows_bytes + blocks * block_bytes, f"{mib:.0f} MiB of cache (--rows, --cache-mib)", model.emb.weight.device)
     # eager steps serve at once; compiled ones are made in a process of their own and swapped in when ready
-    engine = ServingEngine(model.requires_grad_(False), tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE,
+    engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE,
                            cache_blocks=blocks, prefill_chunk=args.prefill_chunk)
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
     host, port = sock.getsockname()[:2]

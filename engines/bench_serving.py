@@ -14,7 +14,7 @@ engines/server.py's, with "\\nUser:" as a stop), so all three engines see the sa
 
   engine       one request at a time through the lesson's prefill_clone.Engine (the baseline, no cache)
   serve.py     this repo's server (engines/serving.py: continuous batching, prefix cache), streamed over HTTP,
-               its decode steps compiled or loaded from the compile cache before it is ready (--eager: not)
+               replayed once its /health says its compiled decode steps are in (--eager: eager ones)
   llama-server llama.cpp's server on a GGUF f32 of the same weights (engines.peers.write_gguf), the same
                number of slots (-np CLIENTS, -c CLIENTS*256), continuous batching and prompt caching on
 
@@ -183,7 +183,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_healthy(port, process, name, seconds=900):
+def wait_healthy(port, process, name, compiled, seconds=1800):
+    """Until /health answers 200 (serve.py's: with its compiled decode steps in, where `compiled`)."""
     deadline = time.time() + seconds
     while time.time() < deadline:
         if process.poll() is not None:
@@ -191,7 +192,8 @@ def wait_healthy(port, process, name, seconds=900):
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
+            response = conn.getresponse()
+            if response.status == 200 and (not compiled or json.loads(response.read())["decode_steps"] == "compiled"):
                 return
         except OSError:
             pass
@@ -204,7 +206,7 @@ def server_run(name, command, port, sessions, args, bpe, extra):
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if
                                name == "llama-server" else None)
     try:
-        wait_healthy(port, process, name)
+        wait_healthy(port, process, name, compiled=name == "serve.py" and not args.eager)
         send = http_send(port, args.max_tokens, extra)
         send("Warm up the engine once.")
         return replay(sessions, args.clients, send, bpe, args.max_tokens)

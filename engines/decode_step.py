@@ -126,9 +126,12 @@ class DecodeStep:
         self.loaded, self.package, self.way, self.way_ms = False, None, None, {}
         if compile:
             started = time.perf_counter()
-            self.run = self._compiled(ways, check_compile_cache(compile_cache))
-            self._rehearse(self.run)  # a loaded package prepares its weights on its first calls: not in a timing
-            self._check_against_eager()
+            # a loaded package prepares its weights on its first calls, in place: not in a timing, nor under
+            # autograd, which refuses that for weights that require grad (a checkpoint's, as loaded)
+            with torch.no_grad():
+                self.run = self._compiled(ways, check_compile_cache(compile_cache))
+                self._rehearse(self.run)
+                self._check_against_eager()
             self.compile_seconds = time.perf_counter() - started
         if capture:
             self._rehearse(self._capture)

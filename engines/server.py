@@ -389,8 +389,10 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request):
+        steps = "compiled" if all(step.package for step in list(engine.steps.values())) else "eager"
         return JSONResponse({"status": "failed" if loop.failed else "ok", "model": model_id, "rows": rows,
-                             "in_flight": len(loop.queues)}, status_code=503 if loop.failed else 200)
+                             "in_flight": len(loop.queues), "decode_steps": steps},
+                            status_code=503 if loop.failed else 200)
 
     async def page(request):
         return FileResponse(CHAT_PAGE, media_type="text/html")

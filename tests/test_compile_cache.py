@@ -17,6 +17,7 @@ from cached import CachedGPT, break_on_purpose
 from cli import run_cli
 from engines.decode_step import DecodeStep, GraphCache
 from engines.fast_engine import FastEngine
+from engines.serving import ServingEngine
 from engines.compile_ways import compiler_missing
 from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model, run_main
 from errors import CompileFailed
@@ -420,3 +421,14 @@ def test_a_way_that_fails_to_compile_is_said_and_the_run_goes_on_with_the_others
     assert "compiled 'unfused', failed inside inductor (CppCompileError: C++ compile error); run without " \
            "compiling, or see that the C++ compiler works; going on without that way" in capsys.readouterr().err
     assert_eager_tokens(engine, model, B)
+
+
+def test_loading_kept_steps_leaves_the_cache_out_of_autograd_for_weights_that_require_grad(every_way_compiled):
+    """A step made ready is rehearsed against the eager step, which writes the cache in place: under autograd, for
+    a checkpoint's weights as loaded (they require grad), that left the cache in autograd's graph, and the next
+    step made on the same cache refused to write it (serve.py's second start died so)."""
+    model = compiled_model()
+    assert all(p.requires_grad for p in model.parameters())
+    engine = ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=every_way_compiled.folder)
+    assert all(step.loaded for step in engine.steps.values()) and len(engine.steps) > 1
+    assert not engine.rows.heads_k.requires_grad and not engine.rows.heads_v.requires_grad

@@ -68,7 +68,7 @@ def greedy_text(pair, prompt, n_tokens):
 def test_the_models_list_names_the_served_model_and_health_says_ok(server):
     assert [m.id for m in server.client.models.list().data] == ["holmes"]
     status, health = server.http("GET", "/health")
-    assert status == 200 and health["status"] == "ok" and health["rows"] == 16
+    assert status == 200 and health["status"] == "ok" and health["rows"] == 16 and health["decode_steps"] == "eager"
 
 
 def test_a_greedy_completion_is_cacheds_greedy_whole_and_streamed(server, pair):

@@ -73,17 +73,15 @@ def keep_compiled_steps(checkpoint, tokenizer_path, rows, compile_cache):
         sys.exit(f"serve.py: {e}; the decode steps stay eager")
 
 
-def swap_in_compiled(engine, engine_loop, compiling, compile_cache):
-    """Once the process `compiling` has kept the compiled decode steps, load them here and hand them to the engine."""
+def swap_in_compiled(engine_loop, compiling, compile_cache):
+    """Once the process `compiling` has kept the compiled decode steps, have the engine load them."""
     started = time.monotonic()
     compiling.join()
     if compiling.exitcode != 0:  # it said why, or the server stopped it
         return
-    steps = engine.compiled_steps(compile_cache)
-    engine_loop.use_steps(steps)
-    print(f"serve.py: the compiled decode steps for {', '.join(map(str, steps))} rows serve from the next step on "
-          f"(ready {time.monotonic() - started:.0f} s after the server; the same tokens as the eager ones)",
-          file=sys.stderr, flush=True)
+    engine_loop.use_compiled(compile_cache).result()
+    print(f"serve.py: the compiled decode steps serve from now on (ready {time.monotonic() - started:.0f} s after "
+          "the server; the same tokens as the eager ones)", file=sys.stderr, flush=True)
 
 
 def serve(app, sock, ready_line, compiling=None):
@@ -194,7 +192,7 @@ def main():
         compiling = multiprocessing.get_context("spawn").Process(
             target=keep_compiled_steps, args=(args.checkpoint, args.tokenizer, args.rows, compile_cache))
         compiling.start()
-        threading.Thread(target=swap_in_compiled, args=(engine, app.state.engine_loop, compiling, compile_cache),
+        threading.Thread(target=swap_in_compiled, args=(app.state.engine_loop, compiling, compile_cache),
                          daemon=True).start()
         step += " until the compiled ones are ready (a line says when)"
     where = f"[{host}]" if ":" in host else host

@@ -186,7 +186,7 @@ class EngineLoop:
                 if kind == "stop":
                     return
                 try:
-                    getattr(self.engine, kind)(payload)  # submit, cancel or use_steps
+                    getattr(self.engine, kind)(payload)  # submit, cancel or use_compiled
                     done.set_result(None)
                 except Exception as e:  # a BadValue: the request's values; anything else a bug, answered as one
                     done.set_exception(e)
@@ -225,9 +225,13 @@ class EngineLoop:
     def cancel(self, request_id):
         self.inbox.put(("cancel", request_id, concurrent.futures.Future()))
 
-    def use_steps(self, steps):
-        """Hand the engine decode steps to run from its next step on (ServingEngine.use_steps), from any thread."""
-        self.inbox.put(("use_steps", steps, concurrent.futures.Future()))
+    def use_compiled(self, compile_cache):
+        """Have the engine's thread load the compiled decode steps kept in compile_cache between two steps
+        (ServingEngine.use_compiled); a future, done once they run. The engine's own thread, not this one: torch's
+        and the compiled programs' threads then serve one caller (loaded from another, they made every step slower)."""
+        done = concurrent.futures.Future()
+        self.inbox.put(("use_compiled", compile_cache, done))
+        return done
 
     async def submit(self, request):
         """Admit a request: an async iterator of its events, or Refused (a full server, a value refused)."""

@@ -124,20 +124,12 @@ class ServingEngine:
         self.active, self.cancelling = {}, set()
         self.prompt_tokens_computed = self.prompt_tokens_cached = 0  # totals, for a benchmark
 
-    def compiled_steps(self, compile_cache=None):
-        """Compiled decode steps for the row counts this engine's steps serve (loaded from compile_cache where kept),
-        each made on a cache of its own, so this may run in another thread while this engine serves: making one
-        runs it (a rehearsal, and the ways' timing) on its cache. Hand them to use_steps from the engine's thread."""
-        shadow = GraphCache.for_model(self.model, self.max_rows, self.model.cfg.context)
-        return {n: DecodeStep(self.model, first_rows(shadow, n), compile=True, compile_cache=compile_cache)
-                for n in self.steps}
-
-    def use_steps(self, steps):
-        """Run these decode steps (compiled_steps') from the next step on, each over this engine's own rows: a
-        compiled step and the eager one give each row the same tokens, so a request may be served by both."""
-        for n, step in steps.items():
-            step.cache = first_rows(self.rows, n)
-        self.steps.update(steps)
+    def use_compiled(self, compile_cache=None):
+        """From the next step on, run the decode steps compiled (loaded from compile_cache where kept): serve.py's
+        engine starts on eager ones. Making each ready runs it on this engine's rows and puts them back as they were,
+        so call it between two steps; a compiled step gives each row the eager one's tokens."""
+        self.steps = {n: DecodeStep(self.model, first_rows(self.rows, n), compile=True, compile_cache=compile_cache)
+                      for n in self.steps}
 
     def submit(self, request):
         """Queue a request; every field is checked here, before it is queued (errors.BadValue, one line)."""

@@ -89,14 +89,14 @@ def check_books(engine):
     assert sorted(prefix.free + list(prefix.blocks.values())) == list(range(prefix.n_blocks))
 
 
-def serve(engine, arrivals, swaps=()):
+def serve(engine, arrivals, compile_at=None):
     """Run arrivals [(step, request), ...] to the end, checking the books after every step: {id: [events]}.
-    swaps: [(step, decode steps)] handed to engine.use_steps before that step, rows decoding."""
+    compile_at: (step, compile cache), engine.use_compiled before that step, rows decoding."""
     pending, events, step = sorted(arrivals, key=lambda a: a[0]), {}, 0
     while pending or engine.has_work():
-        for _, steps in (swap for swap in swaps if swap[0] == step):
-            assert engine.running, "a swap is meant to meet requests in flight"
-            engine.use_steps(steps)
+        if compile_at is not None and compile_at[0] == step:
+            assert engine.running, "the compiled steps are meant to meet requests in flight"
+            engine.use_compiled(compile_at[1])
         while pending and pending[0][0] <= step:
             r = pending.pop(0)[1]
             engine.submit(r)
@@ -190,17 +190,15 @@ def test_on_the_compiled_decode_step_every_request_still_gets_the_engines_tokens
         check_events(r, events[r.id])
 
 
-def test_compiled_steps_swapped_in_while_serving_leave_every_requests_tokens_as_they_were(every_way_compiled):
-    """serve.py's start: eager steps serve at once, the compiled ones (made on a cache of their own, here loaded from
-    the compile cache) take over between two steps while requests are in flight."""
+def test_compiled_steps_taken_on_while_serving_leave_every_requests_tokens_as_they_were(every_way_compiled):
+    """serve.py's start: eager steps serve at once, the compiled ones (here loaded from the compile cache) take over
+    between two steps while requests are in flight."""
     arrivals, shape = random_trial(1)
     compiled = every_way_compiled
     engine = ServingEngine(compiled.model, TOK, **{**shape, "max_rows": COMPILED_ROWS})
-    eager = dict(engine.steps)
-    steps = engine.compiled_steps(compiled.folder)
-    assert all(step.loaded for step in steps.values()) and list(steps) == [1, 2, COMPILED_ROWS]
-    events = serve(engine, arrivals, swaps=[(6, steps)])
-    assert all(engine.steps[n] is steps[n] is not eager[n] for n in eager)
+    assert not any(step.package for step in engine.steps.values())
+    events = serve(engine, arrivals, compile_at=(6, compiled.folder))
+    assert all(step.loaded for step in engine.steps.values()) and list(engine.steps) == [1, 2, COMPILED_ROWS]
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
         check_events(r, events[r.id])

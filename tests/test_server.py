@@ -13,6 +13,7 @@ steps at a gate instead of racing them, and every timeout is a hang guard only.
 import concurrent.futures
 import http.client
 import json
+import logging
 import os
 import re
 import signal
@@ -261,6 +262,26 @@ def test_a_client_that_hangs_up_is_cancelled_and_its_row_serves_the_next_request
     hung_up = [e for e in engine.made if e.request_id == engine.cancelled[-1]]
     assert hung_up[-1].finish_reason == "cancelled" and hung_up[-1].completion_tokens < max_tokens
     assert not engine.has_work()
+
+
+def test_a_client_gone_mid_body_is_let_go_without_an_error_in_the_log(gated):
+    """Before: request.body() raised ClientDisconnect into the app, and uvicorn logged its traceback."""
+    errors = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        state = gated.server.server_state
+        connection = socket.create_connection(("127.0.0.1", gated.port), timeout=HANG_GUARD)
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json"
+                           b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": " % gated.port)
+        wait_for(lambda: state.tasks, "the request to reach the app")
+        connection.close()
+        wait_for(lambda: not state.tasks, "the request's task to end")
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not errors, [record.getMessage() for record in errors]
+    assert gated.http("GET", "/health")[0] == 200
 
 
 def refused_connection(port):

@@ -3,6 +3,7 @@
     pip install -r requirements.txt -r requirements-serve.txt
     python serve.py [CHECKPOINT] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--allow-host NAME[:PORT]]
                     [--rows 16] [--cache-mib MIB] [--queue 64] [--prefill-chunk 128] [--eager] [--compile-cache DIR]
+                    [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 
 then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client at it:
 
@@ -12,10 +13,11 @@ then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client a
 
 Requests run on engines/serving.py's continuous-batching engine (--rows of them decoding together, the
 rest waiting, up to --queue; one more is answered 429), whose prefix cache keeps requests' keys and values
-within --cache-mib, so a chat's next turn prefills only its new tokens. It serves within seconds on its
-eager decode steps; the compiled ones are made in a process of their own (about ten minutes on 2 cores the
-first time, every way worth trying timed; loaded from the compile cache after) and swapped in between two
-steps, the tokens unchanged, a line on stderr saying when. --eager (or no C++ compiler here) keeps them
+within --cache-mib, so a chat's next turn prefills only its new tokens. On a CPU it serves within seconds
+on its eager decode steps; the compiled ones are made in a process of their own (about ten minutes on 2
+cores the first time, every way worth trying timed; loaded from the compile cache after) and swapped in
+between two steps, the tokens unchanged, a line on stderr saying when. On CUDA (--device cuda) each size's
+step is compiled and captured as a CUDA graph before the ready line (seconds a size). --eager (or no C++ compiler here) keeps them
 eager, several times slower under load. The HTTP side, its fields and its chat template are engines/server.py's;
 who may use it (the Host and Origin a request names, --api-key, the body's size) engines/http_policy.py's.
 One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, finishes those in
@@ -32,7 +34,7 @@ import threading
 import time
 
 # first: cli.check_start says in one line what would stop torch from starting
-from cli import Parser, check_count, check_fits, check_least, run_cli
+from cli import Parser, check_count, check_fits, check_least, device_from, run_cli
 from errors import BadValue, CompileFailed
 
 from cached import load_pair
@@ -40,6 +42,7 @@ from checks import cache_bytes
 from engines import peers
 
 BLOCK_SIZE = 16  # tokens a cache block holds: small blocks suit a 256-token window
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
 STOP_SECONDS = 60  # a stop waits this long for the requests in flight: a full window of tokens takes far less
 
 
@@ -61,12 +64,13 @@ def listening_socket(host, port):
     return sock
 
 
-def keep_compiled_steps(checkpoint, tokenizer_path, rows, compile_cache):
+def keep_compiled_steps(checkpoint, tokenizer_path, dtype, rows, compile_cache):
     """In a process of its own: the serving engine's decode steps compiled into compile_cache, or found kept."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to answer: it ends this process
     os.nice(10)  # the server's own threads first
     from engines.serving import ServingEngine
     model, tokenizer = load_pair(checkpoint, tokenizer_path)
+    model = model.to(dtype)
     try:
         ServingEngine(model, tokenizer, max_rows=rows, compile=True, compile_cache=compile_cache)
     except CompileFailed as e:
@@ -146,6 +150,10 @@ def main():
                          "background the first time, minutes, then loaded from the compile cache, take over)")
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    ap.add_argument("--dtype", default="float32", choices=SERVED_DTYPES,
+                    help="weights and cache (float16: CUDA only); at float32 each request's tokens are the lesson "
+                         "Engine's for it alone, in a narrower type the batch's shape can move them")
     args = ap.parse_args()
     check_count("--queue", args.queue)
     check_count("--cache-mib", args.cache_mib or 0)
@@ -156,6 +164,8 @@ def main():
     from engines.blocks import blocks_for_bytes, blocks_per_row
     from engines.compile_cache import check_compile_cache
     from engines.compile_ways import compiler_missing
+    from engines.fast_engine import check_dtype
+    from engines.runner import compiles_in_process
     from engines.http_policy import allowed_hosts, is_loopback
     from engines.server import create_app
     from engines.serving import ServingEngine
@@ -164,14 +174,17 @@ def main():
     if not is_loopback(args.host) and not (args.api_key or args.allow_host):
         raise BadValue(f"--host {args.host} listens beyond this machine: give --api-key KEY (every client must send "
                        "it) or --allow-host NAME for each name clients reach it by")
+    device = device_from(args.device)
+    dtype = check_dtype(args.dtype, device)
     compile = not args.eager
-    if compile and (missing := compiler_missing("cpu")):
+    if compile and (missing := compiler_missing(device)):
         print(f"serve.py: {missing}; the decode step runs eager (--eager says so and quiets this line)",
               file=sys.stderr)
         compile = False
     compile_cache = check_compile_cache(args.compile_cache) if compile else None
     sock = listening_socket(args.host, args.port)  # before the model loads: a port in use is said at once
-    model, tokenizer = load_pair(args.checkpoint, args.tokenizer)
+    model, tokenizer = load_pair(args.checkpoint, args.tokenizer, device)
+    model = model.to(dtype)
     itemsize, context = model.emb.weight.element_size(), model.cfg.context
     rows_bytes = cache_bytes(model.cfg, args.rows, context, itemsize)  # keys and values, every layer
     block_bytes = cache_bytes(model.cfg, 1, BLOCK_SIZE, itemsize)
@@ -179,18 +192,22 @@ def main():
               blocks_for_bytes(model, args.cache_mib * 2**20, BLOCK_SIZE))
     mib = (rows_bytes + blocks * block_bytes) / 2**20
     check_fits(rows_bytes + blocks * block_bytes, f"{mib:.0f} MiB of cache (--rows, --cache-mib)", model.emb.weight.device)
-    # eager steps serve at once; compiled ones are made in a process of their own and swapped in when ready
+    # where compiling takes seconds (CUDA) the steps are compiled now; elsewhere eager steps serve at once,
+    # and the compiled ones are made in a process of their own and swapped in when ready
+    in_process = compile and compiles_in_process(device)
+    if in_process:
+        print(f"serve.py: compiling the decode step for each batch size on {device}", file=sys.stderr, flush=True)
     engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE,
-                           cache_blocks=blocks, prefill_chunk=args.prefill_chunk)
+                           cache_blocks=blocks, prefill_chunk=args.prefill_chunk, compile=in_process)
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
     host, port = sock.getsockname()[:2]
     app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue,
                      allowed_hosts(args.host, port, args.allow_host), args.api_key)
-    rows, compiling = ", ".join(map(str, engine.steps)), None
-    step = f"the decode step eager, for {rows} rows"
-    if compile:
+    rows, compiling = ", ".join(map(str, engine.runner.sizes)), None
+    step = f"the decode step {'compiled' if in_process else 'eager'}, for {rows} rows, on {device}, {args.dtype}"
+    if compile and not in_process:
         compiling = multiprocessing.get_context("spawn").Process(
-            target=keep_compiled_steps, args=(args.checkpoint, args.tokenizer, args.rows, compile_cache))
+            target=keep_compiled_steps, args=(args.checkpoint, args.tokenizer, dtype, args.rows, compile_cache))
         compiling.start()
         threading.Thread(target=swap_in_compiled, args=(app.state.engine_loop, compiling, compile_cache),
                          daemon=True).start()

@@ -36,11 +36,12 @@ import tempfile
 import threading
 import time
 
-from cli import Parser, check_least, run_cli
+from cli import Parser, check_least, device_from, run_cli
 
 import torch
 
 from bpe import BPE
+from engines.fast_engine import check_dtype
 
 CONTEXT, TURNS, HISTORY_TOKENS, NEXT_TURN = 256, 10, 6, "\nUser:"
 SYSTEM = "System: You are Sherlock Holmes. Answer the client briefly and plainly, as you would in Baker Street."
@@ -149,7 +150,8 @@ def baseline_run(sessions, args, out):
     torch.set_num_threads(args.threads)
     from cached import load_pair
     from prefill_clone import Engine
-    model, tokenizer = load_pair(args.checkpoint, "tokenizer.json")
+    model, tokenizer = load_pair(args.checkpoint, "tokenizer.json", args.device)
+    model = model.to(getattr(torch, args.dtype))
     engine, bpe, jobs = Engine(model, tokenizer), BPE.load("tokenizer.json"), queue.Queue()
 
     def generate(text):
@@ -245,6 +247,8 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--checkpoint", default="holmes.pt")
     ap.add_argument("--eager", action="store_true", help="serve.py --eager: its decode step not compiled")
+    ap.add_argument("--device", default="cpu", help="serve.py's and the one-at-a-time Engine's: cpu or cuda")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--llama-server", default=None, help="the binary engines/build_llama_server.sh built")
     ap.add_argument("--skip", default="", help="engines to leave out, comma-separated")
     ap.add_argument("--json", default=None)
@@ -252,10 +256,12 @@ def main():
     for name, least in (("clients", 1), ("requests", 1), ("rate", 0.01), ("think", 0), ("max_tokens", 1), ("threads", 1)):
         check_least("--" + name.replace("_", "-"), getattr(args, name), least)
     from timing import machine
-    info = machine(torch.device("cpu")) | {"threads": args.threads}
+    device = device_from(args.device)
+    check_dtype(args.dtype, device)
+    info = machine(device) | {"threads": args.threads, "dtype": args.dtype}
     sessions, bpe, results = build_trace(args.requests, args.seed, args.rate, args.think), BPE.load("tokenizer.json"), {}
     chats = sum(s["kind"] == "chat" for s in sessions)
-    print(f"{info['cpu']}, {args.threads} threads, torch {info['torch']}")
+    print(f"{info.get('gpu', info['cpu'])}, {args.dtype}, {args.threads} threads, torch {info['torch']}")
     print(f"trace (seed {args.seed}): {sum(len(s['texts']) for s in sessions)} requests, {chats} chats of {TURNS} "
           f"turns sharing a system prompt and {len(sessions) - chats} one-shot prompts, sessions at {args.rate}/s "
           f"(Poisson), {args.clients} clients, greedy, max_tokens {args.max_tokens}", flush=True)
@@ -270,7 +276,8 @@ def main():
     if "serve.py" not in skip:
         port = free_port()
         results["serve.py"] = summary(*server_run("serve.py", [sys.executable, "serve.py", args.checkpoint, "--port",
-                                                              str(port), "--rows", str(args.clients)] +
+                                                              str(port), "--rows", str(args.clients), "--device",
+                                                              args.device, "--dtype", args.dtype] +
                                                   ["--eager"] * args.eager,
                                                   port, sessions, args, bpe, {}))
         print("  serve.py: done", flush=True)

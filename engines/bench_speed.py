@@ -30,7 +30,7 @@ def decode_fixture(model, batch, device):
     """A batch-row cache filled to the full window, and a token to feed."""
     ctx = model.cfg.context
     idx = torch.randint(model.cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(2)).to(device)
-    cache = GraphCache.for_model(model, batch, ctx)  # what kernels.DecodeStep writes
+    cache = GraphCache.for_model(model, batch, ctx)  # what the runner's decode step writes
     model.step(idx, cache, 0)
     return idx[:, -1:], cache
 
@@ -93,19 +93,16 @@ def step_alone(engine, batch, prompt, n, device):
     prompt's end, each fed the tokens the one before picked (where the step picks; else the same tokens
     throughout, which cost what any do), with no Python around it but the loop."""
     engine.prepare(batch)
-    stages = () if engine.picks_in_step else None
-    step = engine.steps[batch, stages]
+    step = engine.steps[batch, ()]
 
     @torch.inference_mode()
     def run():
         step.cache.reset()
         step.cache.cache_seqlens.fill_(len(prompt))
         tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        if stages is not None:
-            step.knobs.set([{"temperature": 0}] * batch, prompt)
+        step.knobs.set([{"temperature": 0}] * batch, prompt)
         for pos in range(len(prompt), len(prompt) + n - 1):
-            out = step(tokens, pos)
-            tokens = tokens if stages is None else out[1]
+            tokens = step(tokens, pos)[1]
     return run
 
 
@@ -214,7 +211,8 @@ def table_drift(device, n_tokens, outs):
 
 @torch.inference_mode()
 def table_cuda(model, device, sizes, runs, out):
-    print("\n5. CUDA: kernels per decode step, GPU busy share, CUDA-graph decode")
+    print("\n5. CUDA: kernels per decode step, GPU busy share; the decode step eager, captured as a CUDA graph, and "
+          "compiled (torch.compile) and captured")
     if device.type != "cuda":
         reason = "skipped: needs a CUDA device (kernel counts, GPU busy time and CUDA graphs exist only there)"
         out["skipped"] = reason
@@ -241,15 +239,19 @@ def table_cuda(model, device, sizes, runs, out):
     n_tokens = sizes["lengths"][-1]
     out["graph"] = []
     for batch in sizes["batches"]:
-        eager, graphed = FastEngine(model), FastEngine(model, cuda_graph=True)
-        runs_of = {e: lambda e=e: e.generate_batch(prompt, batch, max_tokens=n_tokens, temperature=0)[0]
-                   for e in (eager, graphed)}
-        same = runs_of[eager]() == runs_of[graphed]()
-        t_eager, t_graph = (t for t, _ in measure(runs_of, runs, device).values())
-        row = {"batch": batch, "tokens": n_tokens, "eager_tok_s": batch * n_tokens / t_eager,
-               "graph_tok_s": batch * n_tokens / t_graph, "same_tokens": same}
+        forms = {"eager": FastEngine(model), "graph": FastEngine(model, cuda_graph=True),
+                 "compiled graph": FastEngine(model, compile=True)}
+        for engine in forms.values():  # compiling and capturing are not what is timed
+            engine.prepare(batch)
+        runs_of = {name: lambda e=e: e.generate_batch(prompt, batch, max_tokens=n_tokens, temperature=0)[0]
+                   for name, e in forms.items()}
+        tokens = {name: run() for name, run in runs_of.items()}
+        same = all(t == tokens["eager"] for t in tokens.values())
+        timed = measure(runs_of, runs, device)
+        row = {"batch": batch, "tokens": n_tokens, "same_tokens": same}
+        row.update({f"{name.replace(' ', '_')}_tok_s": batch * n_tokens / t for name, (t, _) in timed.items()})
         out["graph"].append(row)
-        print(f"  batch {batch:>2}, {n_tokens} tokens: eager {row['eager_tok_s']:,.0f} tok/s, CUDA graph "
-              f"{row['graph_tok_s']:,.0f} tok/s ({t_eager / t_graph:.1f}x), same tokens: {same}", flush=True)
+        cells = ", ".join(f"{name} {batch * n_tokens / t:,.0f}" for name, (t, _) in timed.items())
+        print(f"  batch {batch:>2}, {n_tokens} tokens (tok/s): {cells}; the same tokens: {same}", flush=True)
         if not same:
-            raise SystemExit("bench.py: error: CUDA-graph replay gave other tokens than the eager path")
+            raise SystemExit("bench.py: error: a CUDA graph gave other tokens than the eager path")

@@ -29,6 +29,10 @@ from prefill_clone import KVCache
 from timing import median, timings
 
 
+# the torch.compile'd graphs one process may hold for the decode step: a batch size and pick each
+JIT_GRAPHS = 64
+
+
 class GraphCache(KVCache):
     """A KVCache that a graph-safe step can write: one token per row, each row at its own position
     given as a (B,) tensor, nothing read on the host (what an exported program and a CUDA graph need).
@@ -100,9 +104,8 @@ class DecodeStep:
 
     compile: the step compiled ahead of time by AOTInductor each of the compile_ways for this device and
     batch (or each of `ways` given, {name: options as in COMPILE_WAYS}), each kept as a package in the folder
-    compile_cache
-    (default: default_compile_cache()) under its key (step_keys), and loaded from there when a package for
-    the same key is kept: no compiling, and no dynamo guards on each step. With more than one way,
+    compile_cache (default: default_compile_cache()) under its key (step_keys), and loaded from there when a
+    package for the same key is kept: no compiling, and no dynamo guards on each step. With more than one way,
     each is timed side by side here and the fastest runs (self.way says which, self.way_ms what each
     took); the times are kept beside the packages (choice_path), so a later step for the same
     packages loads only the faster one. self.loaded says whether every package was loaded,
@@ -110,35 +113,56 @@ class DecodeStep:
     A package that cannot be loaded, or is not its key's, is said in one line on stderr, left as it
     is, and the step compiled anew; either way the step's first logits are checked against the
     eager step's.
-    capture (CUDA only): replay a captured graph of the step.
+    jit: compile with torch.compile instead (Triton kernels on CUDA, C++ on a CPU), nothing kept on disk:
+    CUDA's way, where a loaded package can take the process down. The step then attends to every slot
+    (the mask hides those not written), one shape for every step, as a captured graph needs.
+    capture (CUDA only): replay a captured graph of the step, the pick inside it.
     pick: the stages of engines/graph_pick.py's GraphPick (() for greedy) to pick each row's next token in
     the same program, by self.knobs: a call then returns (logits, tokens). None: logits only.
     """
 
-    def __init__(self, model, cache, compile=False, capture=False, ways=None, compile_cache=None, pick=None):
+    def __init__(self, model, cache, compile=False, capture=False, jit=False, ways=None, compile_cache=None,
+                 pick=None):
         self.model, self.cache = model, cache
         batch, device = cache.shape["batch"], cache.k.device
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        assert pick is None or not capture, "a captured graph runs the step only"
         self.pick = None if pick is None else GraphPick(pick)
         self.knobs = None if pick is None else Knobs(batch, model.cfg.vocab_size, device)
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
         self.loaded, self.package, self.way, self.way_ms = False, None, None, {}
+        self.every_slot = jit or capture  # one shape for every step: the mask, not the slots read, moves
+        if self.every_slot:
+            cache.attended = cache.slots
         if compile:
             started = time.perf_counter()
             # a loaded package prepares its weights on its first calls, in place: not in a timing, nor under
             # autograd, which refuses that for weights that require grad (a checkpoint's, as loaded)
             with torch.no_grad():
-                self.run = self._compiled(ways, check_compile_cache(compile_cache))
+                self.run = self._jit_compiled() if jit else self._compiled(ways, check_compile_cache(compile_cache))
                 self._rehearse(self.run)
                 self._check_against_eager()
             self.compile_seconds = time.perf_counter() - started
         if capture:
-            self._rehearse(self._capture)
+            with torch.no_grad():
+                self._rehearse(self._capture)
 
     def _step(self):
-        logits = self.model.step(self.token, self.cache, self.cache.cache_seqlens.long())
-        return logits if self.pick is None else (logits, self.pick(logits, self.token, *self.knobs.tensors()))
+        # a row the pick marked -1 (its scores not finite) is fed on as token 0 where steps run ahead of their
+        # tokens being taken (FastEngine.generate_batch): its tokens are never taken, the mark is raised first
+        token = self.token.clamp(min=0)
+        logits = self.model.step(token, self.cache, self.cache.cache_seqlens.long())
+        return logits if self.pick is None else (logits, self.pick(logits, token, *self.knobs.tensors()))
+
+    def _jit_compiled(self):
+        """The step under torch.compile, one graph with no break (fullgraph) for this batch's one shape.
+        Every DecodeStep compiles the same method, each batch and pick a graph of its own: more than dynamo's
+        default few, and a step past the limit must fail, not run eager unsaid."""
+        compiled = torch.compile(self._step, fullgraph=True, dynamic=False)
+
+        def run():
+            with torch._dynamo.config.patch(recompile_limit=JIT_GRAPHS, fail_on_recompile_limit_hit=True):
+                return compiled()
+        return run
 
     def _compiled(self, ways, folder):
         """The compiled step that runs: the only way, or the fastest of the ways here."""
@@ -298,6 +322,7 @@ class DecodeStep:
             return [o.clone() if o is not None else None for o in outs] + [t.clone() for t in live]
 
     def _capture(self):
+        self.cache.attended = self.cache.slots  # captured reading every slot, behind the mask
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -306,16 +331,17 @@ class DecodeStep:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = self.run()
+            self.outputs = self.run()
 
     def __call__(self, token, pos):
         """Feed token (B, 1) at position pos, every row's (each row's own lives on the device, in
         cache_seqlens); returns logits (B, vocab), with a pick (logits, tokens (B, 1)). The step attends to
-        the slots written by then, pos + 1 or the whole ring, and a captured graph to every slot, as it was
-        captured."""
+        the slots written by then, pos + 1 or the whole ring, or (every_slot) to every slot behind the mask.
+        A captured graph's outputs are copied out: the next replay writes the same buffers, and a caller
+        may keep several steps' (FastEngine runs steps ahead of their tokens)."""
         if self.graph is None:
-            self.token, self.cache.attended = token, self.cache.slots[:pos + 1]
+            self.token, self.cache.attended = token, self.cache.slots if self.every_slot else self.cache.slots[:pos + 1]
             return self.run()
         self.token.copy_(token)  # a captured graph reads the tensor it was captured with
         self.graph.replay()
-        return self.logits
+        return self.outputs.clone() if self.pick is None else tuple(out.clone() for out in self.outputs)

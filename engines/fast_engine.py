@@ -20,10 +20,10 @@ import sampling
 from cached import load_pair
 from checks import check_request
 from engines.compile_cache import check_compile_cache
-from engines.decode_step import DecodeStep, GraphCache
 from engines.graph_pick import stages_for
 from engines.int8 import quantized
 from engines.matmul import choose, kernel_named, with_kernel
+from engines.runner import StepRunner
 from model import check_finite
 from prefill_clone import Engine, KVCache, add_sample_flags, clone_prompt, sample_knobs, show_samples
 
@@ -81,15 +81,14 @@ class FastEngine(Engine):
 
     kernel: the decode steps' matrix multiply: "auto" measures the exact candidates once per batch size
     where this runs and keeps the fastest (self.chosen says which); a name fixes it. compile: the
-    graph-safe decode step compiled ahead of time, once per batch size, and kept in the folder
-    compile_cache, so a later Engine with the same weights loads it in seconds (DecodeStep says
-    how; inductor picks the kernels); its cache is the full context, so one compiled step serves
-    every prompt and length. On the CPU the compiled step picks the next tokens too (engines/graph_pick.py:
-    the same tokens, the knobs in the program, made for the knobs a generation uses), so a token costs
-    little more than its step. self.steps[batch, stages] is each step (stages None: no pick),
-    self.compile_seconds[batch, stages] what making it ready took. cuda_graph: replay each decode step
-    as a CUDA graph (on a CPU the same graph-safe step runs eagerly); with compile on CUDA the compiled
-    step is what is captured.
+    graph-safe decode step made fast by the step runner (engines/runner.py: on a CPU compiled ahead of
+    time and kept in the folder compile_cache, so a later Engine with the same weights loads it in
+    seconds; on CUDA compiled by torch.compile and captured as a CUDA graph), once per batch size; its
+    cache is the full context, so one step serves every prompt and length. cuda_graph: the graph-safe step
+    without compiling (on CUDA captured as a graph, on a CPU run eagerly). A kept step picks the next tokens
+    too (engines/graph_pick.py: the same tokens, the knobs in the program, made for the knobs a generation
+    uses), so a token costs little more than its step. self.steps[batch, stages] is each step,
+    self.compile_seconds[batch, stages] what making it ready took.
     dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache; int8 for
     int8 copies of the Linear weights, quantized here, once (quantized()), with the embedding, the
     activations and the cache float32, the kernel chosen among INT8_KERNELS.
@@ -113,12 +112,11 @@ class FastEngine(Engine):
         self.source, self.weights = model, weights_state(model)
         self.kernel, self.compile, self.cuda_graph, self.dtype = kernel, compile, cuda_graph, dtype
         self.compile_cache = compile_cache
-        # a compiled or graphed step is made once per batch and kept; its cache holds the full context
-        # and it reads the slots written so far (a graph: all of them, behind a mask), so one of them
-        # serves every prompt and length
+        # a compiled or graphed step is made once per batch and kept by a runner of its own; its cache holds
+        # the full context and it reads the slots written so far (a graph: all of them, behind a mask), so
+        # one of them serves every prompt and length
         self.keeps_step = compile or cuda_graph
-        self.picks_in_step = compile and device.type == "cpu"  # a CUDA graph is captured around the step only
-        self.chosen, self.kernel_models, self.caches = {}, {}, {}  # keyed by batch
+        self.chosen, self.kernel_models, self.runners = {}, {}, {}  # keyed by batch
         self.steps, self.compile_seconds = {}, {}  # keyed by (batch, the pick's stages or None)
         self.ahead = 1  # the compiled steps decode runs before their tokens are taken (generate_batch sets it)
 
@@ -135,26 +133,20 @@ class FastEngine(Engine):
         return self.model.cfg.context if self.keeps_step else super().cache_len(n_prompt, max_tokens)
 
     def decoder(self, batch, max_len):
-        """An empty cache of `batch` rows and the decode step that writes it: a graph-safe step and
-        its cache are made once per batch and kept (compiling or capturing costs more than a run)."""
+        """An empty cache of `batch` rows and the lesson's decode step that writes it, its products by the
+        kernel chosen (a kept step picks too, and runs in decode below)."""
         self.check_unchanged()
-        if not self.keeps_step:
-            model, cache = self.kernel_model(batch), KVCache.for_model(self.model, batch, max_len)
-            return cache, lambda token, pos: model.step(token, cache, pos)
-        step = self.kept_step(batch, None)
-        step.cache.reset()
-        return step.cache, step
+        model, cache = self.kernel_model(batch), KVCache.for_model(self.model, batch, max_len)
+        return cache, lambda token, pos: model.step(token, cache, pos)
 
     def kept_step(self, batch, stages):
-        """The graph-safe step for `batch` rows (with the pick's stages, unless None), made once and kept; the
-        steps for one batch share one cache of the full context."""
+        """The graph-safe step for `batch` rows picking with the pick's stages, made once by the step runner for
+        `batch` and kept; the steps for one batch share its cache of the full context."""
         if (batch, stages) not in self.steps:
-            if batch not in self.caches:
-                self.caches[batch] = GraphCache.for_model(self.model, batch, self.model.cfg.context)
-            cache = self.caches[batch]
-            model = self.model if self.compile else self.kernel_model(batch)
-            step = DecodeStep(model, cache, self.compile, capture=cache.k.device.type == "cuda",
-                              compile_cache=self.compile_cache, pick=stages)
+            if batch not in self.runners:
+                model = self.model if self.compile else self.kernel_model(batch)
+                self.runners[batch] = StepRunner(model, batch, [batch], self.compile, self.compile_cache)
+            step = self.runners[batch].step(batch, stages)
             self.steps[batch, stages], self.compile_seconds[batch, stages] = step, step.compile_seconds
         return self.steps[batch, stages]
 
@@ -175,7 +167,7 @@ class FastEngine(Engine):
         run that many back to back before their tokens are taken, one after the other as each step's would
         be: the same tokens, and the Python between steps, which costs more there than its lines suggest
         (a step leaves the CPU's caches cold), once for all of them."""
-        if not self.picks_in_step:
+        if not self.keeps_step:
             yield from super().decode(rows, generators, settings, stops_at, max_tokens)
             return
         self.check_unchanged()
@@ -237,7 +229,7 @@ class FastEngine(Engine):
         if not self.keeps_step:
             self.kernel_model(batch)
             return 0.0
-        stages = stages_for(settings, self.model.cfg.vocab_size) if self.picks_in_step else None
+        stages = stages_for(settings, self.model.cfg.vocab_size)
         self.kept_step(batch, stages)
         return self.compile_seconds[batch, stages]
 

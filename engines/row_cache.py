@@ -1,10 +1,9 @@
 """The serving engine's KV cache: a row of the full window for each request admitted, and a store of blocks.
 
 The rows are one GraphCache (engines/decode_step.py) of max_rows rows: the cache the graph-safe decode
-step writes, each row at its own position, so serving decodes on the very step FastEngine compiles (and
-loads the same compiled package for max_rows rows); a step over fewer rows runs on its first rows
-(first_rows). The prompts' chunks of a step are computed into their rows, those of about one length in
-one forward (PromptRows). The store holds full blocks of keys and values copied out of the rows
+step writes, each row at its own position (engines/runner.py's steps run over its first rows). The
+prompts' chunks of a step are computed into their rows, those of about one length in one forward
+(PromptRows). The store holds full blocks of keys and values copied out of the rows
 (BlockStore), the prefix cache's tensors; engines/blocks.py says which block holds which tokens. A new
 request's cached prefix is copied into its row, so a row is its request's alone: nothing is shared between
 rows, and no block a row reads can be evicted under it.
@@ -21,24 +20,6 @@ import torch
 
 from cached import CachedAttention
 from prefill_clone import LayerView
-
-
-def decode_batches(max_rows):
-    """The row counts the decode step is made for: the powers of two below max_rows, and max_rows. A step
-    runs the fewest that hold every decoding row (rows are given lowest first), so a few requests do not
-    pay for a full batch."""
-    return sorted({2 ** i for i in range(max_rows.bit_length()) if 2 ** i < max_rows} | {max_rows})
-
-
-def first_rows(cache, n):
-    """The first n rows of a GraphCache, as a GraphCache of n rows on the same storage: a decode step over it
-    reads and writes those rows of `cache`."""
-    if n == cache.shape["batch"]:
-        return cache
-    view = copy.copy(cache)
-    view.heads_k, view.heads_v, view.cache_seqlens = cache.heads_k[:, :n], cache.heads_v[:, :n], cache.cache_seqlens[:n]
-    view.k, view.v, view.rows = view.heads_k.transpose(2, 3), view.heads_v.transpose(2, 3), cache.rows[:n]
-    return view
 
 
 class MaskedAttention(CachedAttention):

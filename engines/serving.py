@@ -1,8 +1,9 @@
 """Continuous batching on the lesson's model: requests join and leave at any step, with a prefix cache.
 
 Each request admitted has a row of the cache to itself (engines/row_cache.py). Each step() runs the
-decode step, one token for every running row, each at its own position: DecodeStep, the graph-safe step
-FastEngine runs, compiled (or loaded from the compile cache) with compile=True. Beside it, within a
+decode step, one token for every running row, each at its own position: the step runner's
+(engines/runner.py), the graph-safe step FastEngine runs, compiled with compile=True (on a CPU loaded from
+the compile cache where kept; on CUDA captured as a graph). Beside it, within a
 budget of prefill_chunk tokens, the next chunk of each prompt being prefilled runs into its row, chunks
 of about one length in one forward of the lesson's CachedGPT.step, so a long prompt never stalls the rows
 already decoding. A prompt's full blocks that an earlier request computed (the same tokens from the
@@ -36,8 +37,8 @@ import torch
 
 from checks import check_request
 from engines.blocks import PrefixCache, block_digest, blocks_per_row, digests_of
-from engines.decode_step import DecodeStep, GraphCache
-from engines.row_cache import BlockStore, decode_batches, first_rows, prompt_step, with_masked_attention
+from engines.row_cache import BlockStore, prompt_step, with_masked_attention
+from engines.runner import StepRunner
 from engines.serving_text import TextStream
 from model import check_finite
 from prefill_clone import Engine
@@ -100,7 +101,9 @@ class ServingEngine:
     decode step compiled ahead of time (DecodeStep), loaded from compile_cache where it is kept already.
     fixed_shapes: a prompt fed a token a step through the decode step, every step all max_rows rows over
     the whole window, so a row's logits are bit-identical whatever else runs (batch invariance, tested);
-    it costs a step for every prompt token and the whole window's reads in every step."""
+    it costs a step for every prompt token and the whole window's reads in every step.
+    on_logits: None, or a callable(logits, sequences) given the logits each step's tokens are picked from (a row
+    a sequence): how a check sees what the engine picks from (engines/serving_check.py)."""
 
     def __init__(self, model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=128, *,
                  fixed_shapes=False, compile=False, compile_cache=None):
@@ -114,22 +117,29 @@ class ServingEngine:
         cache_blocks = max_rows * blocks_per_row(context, block_size) if cache_blocks is None else cache_blocks
         self.prefix = PrefixCache(whole("cache_blocks", cache_blocks, 0))
         self.store = BlockStore.for_model(model, cache_blocks, block_size)
-        self.rows = GraphCache.for_model(model, max_rows, context)
-        # {rows: the decode step over the cache's first rows}, the fewest first (one, max_rows, with fixed_shapes)
-        self.steps = {n: DecodeStep(model, first_rows(self.rows, n), compile=compile, compile_cache=compile_cache)
-                      for n in ([max_rows] if fixed_shapes else decode_batches(max_rows))}
+        self.runner = self._made(StepRunner(model, max_rows, [max_rows] if fixed_shapes else None, compile,
+                                            compile_cache))
+        self.rows = self.runner.cache
         self.device = model.emb.weight.device
         self.free_rows = list(range(max_rows))  # a heap: the lowest free row is given first
         self.waiting, self.prefilling, self.running = deque(), [], []
         self.active, self.cancelling = {}, set()
         self.prompt_tokens_computed = self.prompt_tokens_cached = 0  # totals, for a benchmark
+        self.on_logits = None
 
     def use_compiled(self, compile_cache=None):
         """From the next step on, run the decode steps compiled (loaded from compile_cache where kept): serve.py's
         engine starts on eager ones. Making each ready runs it on this engine's rows and puts them back as they were,
         so call it between two steps; a compiled step gives each row the eager one's tokens."""
-        self.steps = {n: DecodeStep(self.model, first_rows(self.rows, n), compile=True, compile_cache=compile_cache)
-                      for n in self.steps}
+        self.runner = self._made(StepRunner(self.model, self.max_rows, self.runner.sizes, True, compile_cache,
+                                            cache=self.rows))
+
+    @staticmethod
+    def _made(runner):
+        """The runner with a decode step made for each of its sizes: compiling (or capturing) is no step's work."""
+        for n in runner.sizes:
+            runner.step(n)
+        return runner
 
     def submit(self, request):
         """Queue a request; every field is checked here, before it is queued (errors.BadValue, one line)."""
@@ -199,7 +209,8 @@ class ServingEngine:
         next token at its own position; the others (prefilling, or free) a token at the first position they
         have not written, which the keys that belong there overwrite before anything reads them. Logits
         (rows, vocab)."""
-        n = next(n for n in self.steps if n > max(s.row for s in decoding))
+        step = self.runner.step(max(s.row for s in decoding) + 1)
+        n = step.cache.shape["batch"]
         tokens, positions = [0] * n, [0] * n
         for s in self.prefilling + self.running:
             if s.row < n:
@@ -208,7 +219,7 @@ class ServingEngine:
             tokens[s.row] = s.tokens[s.computed]
         self.rows.cache_seqlens[:n].copy_(torch.tensor(positions))
         last = self.model.cfg.context - 1 if self.fixed_shapes else max(s.computed for s in decoding)
-        return self.steps[n](torch.tensor(tokens, device=self.device).view(-1, 1), last)
+        return step(torch.tensor(tokens, device=self.device).view(-1, 1), last)
 
     @staticmethod
     def _by_length(chunks):
@@ -263,6 +274,8 @@ class ServingEngine:
         penalty in one call of its pick (which groups equal knobs and gives each row its own generator), each
         penalized row with its own history, the prompt and its tokens so far."""
         check_finite(logits, min(len(s.tokens) - s.n_prompt for s in seqs))
+        if self.on_logits is not None:
+            self.on_logits(logits, seqs)
         picked = [None] * len(seqs)
         plain = [i for i, s in enumerate(seqs) if s.knobs["penalty"] == 1.0]
         if plain:

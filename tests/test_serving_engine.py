@@ -183,7 +183,7 @@ def test_on_the_compiled_decode_step_every_request_still_gets_the_engines_tokens
     compiled = every_way_compiled
     engine = ServingEngine(compiled.model, TOK, **{**shape, "max_rows": COMPILED_ROWS}, compile=True,
                            compile_cache=compiled.folder)
-    assert all(step.loaded for step in engine.steps.values()) and list(engine.steps) == [1, 2, COMPILED_ROWS]
+    assert all(step.loaded for step in engine.runner.steps.values()) and engine.runner.sizes == [1, 2, COMPILED_ROWS]
     events = serve(engine, arrivals)
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
@@ -196,9 +196,9 @@ def test_compiled_steps_taken_on_while_serving_leave_every_requests_tokens_as_th
     arrivals, shape = random_trial(1)
     compiled = every_way_compiled
     engine = ServingEngine(compiled.model, TOK, **{**shape, "max_rows": COMPILED_ROWS})
-    assert not any(step.package for step in engine.steps.values())
+    assert not engine.runner.compile and not any(step.package for step in engine.runner.steps.values())
     events = serve(engine, arrivals, compile_at=(6, compiled.folder))
-    assert all(step.loaded for step in engine.steps.values()) and list(engine.steps) == [1, 2, COMPILED_ROWS]
+    assert all(step.loaded for step in engine.runner.steps.values()) and engine.runner.sizes == [1, 2, COMPILED_ROWS]
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
         check_events(r, events[r.id])

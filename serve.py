@@ -203,7 +203,7 @@ def main():
     host, port = sock.getsockname()[:2]
     app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue,
                      allowed_hosts(args.host, port, args.allow_host), args.api_key)
-    rows, compiling = ", ".join(map(str, engine.runner.sizes)), None
+    rows, compiling = ", ".join(map(str, engine.runner.steps.sizes)), None
     step = f"the decode step {'compiled' if in_process else 'eager'}, for {rows} rows, on {device}, {args.dtype}"
     if compile and not in_process:
         compiling = multiprocessing.get_context("spawn").Process(
@@ -211,7 +211,7 @@ def main():
         compiling.start()
         threading.Thread(target=swap_in_compiled, args=(app.state.engine_loop, compiling, compile_cache),
                          daemon=True).start()
-        step += " until the compiled ones are ready (a line says when)"
+        step += ", until the compiled ones are ready (a line says when)"
     where = f"[{host}]" if ":" in host else host
     serve(app, sock, f"serve.py: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, queue {args.queue}, "
                      f"{mib:.0f} MiB of cache, {blocks} blocks of it the prefix cache's; {step}); Ctrl-C stops",

@@ -285,7 +285,8 @@ class DecodeStep:
         wrote (a program whose writes landed in a copy would give the eager logits once, then drift), or,
         with a pick, a token the eager scores do not rank first within that closeness."""
         compiled, eager = self._rehearse(self.run), self._rehearse(self._step)
-        made = shown(self.package) if self.package else "made by torch.compile"
+        made, advice = ((shown(self.package), "; delete that file and run again") if self.package else
+                        ("made by torch.compile", ""))
         # compiled and eager sum in other orders: as close as two float32 forwards, or a few bfloat16 steps
         share = 1e-3 if self.cache.heads_k.dtype == torch.float32 else 5e-2
         close = lambda a, b: (a - b).abs().max().item() <= share * max(1.0, b.abs().max().item())
@@ -294,12 +295,11 @@ class DecodeStep:
             eager.pop(1)
         for got, want in zip(compiled, eager):
             if got.shape != want.shape or not close(got.double(), want.double()):
-                raise RuntimeError(f"the compiled decode step ({made}) does not compute what the eager step does; "
-                                   "delete a kept file and run again")
+                raise RuntimeError(f"the compiled decode step ({made}) does not compute what the eager step "
+                                   f"does{advice}")
         scores = eager[0].double()  # the rehearsal's knobs draw with noise 1: the top score's token
         if tokens is not None and not close(scores.gather(-1, tokens.clamp(min=0)).view(-1), scores.amax(-1)):
-            raise RuntimeError(f"the compiled decode step ({made}) does not pick what the eager step does; "
-                               "delete a kept file and run again")
+            raise RuntimeError(f"the compiled decode step ({made}) does not pick what the eager step does{advice}")
 
     @contextlib.contextmanager
     def _cache_put_back(self):

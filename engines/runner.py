@@ -48,7 +48,7 @@ def first_rows(cache, n):
 
 class StepRunner:
     """Decode steps over the first rows of one cache (self.cache, max_rows rows of the model's context), one per
-    size and pick, made on first ask and kept (self.steps[size, stages]).
+    size and pick, made on first ask and kept (self.kept[size, stages]).
 
     compile: the step compiled (on a CPU: AOTInductor's packages, kept in compile_cache and loaded from there);
     jit: torch.compile instead of packages, CUDA's way (default: on CUDA); a CPU takes it only when asked, as
@@ -64,7 +64,7 @@ class StepRunner:
         self.compile, self.compile_cache = compile, compile_cache
         self.jit = compiles_in_process(device) if jit is None else jit
         self.capture = device.type == "cuda"
-        self.steps = {}
+        self.kept = {}
 
     def size_for(self, rows):
         return next(n for n in self.sizes if n >= rows)
@@ -73,10 +73,7 @@ class StepRunner:
         """The decode step for `rows` rows: over the first size_for(rows) rows of the cache, with the pick's stages
         (engines/graph_pick.py; None: logits only)."""
         key = self.size_for(rows), stages
-        if key not in self.steps:
-            self.steps[key] = DecodeStep(self.model, first_rows(self.cache, key[0]), self.compile, self.capture,
+        if key not in self.kept:
+            self.kept[key] = DecodeStep(self.model, first_rows(self.cache, key[0]), self.compile, self.capture,
                                          self.jit, compile_cache=self.compile_cache, pick=stages)
-        return self.steps[key]
-
-    def compile_seconds(self):
-        return sum(step.compile_seconds for step in self.steps.values())
+        return self.kept[key]

@@ -393,7 +393,7 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request):
-        steps = "compiled" if engine.runner.compile else "eager"
+        steps = "compiled" if engine.runner.steps.compile else "eager"
         return JSONResponse({"status": "failed" if loop.failed else "ok", "model": model_id, "rows": rows,
                              "in_flight": len(loop.queues), "decode_steps": steps},
                             status_code=503 if loop.failed else 200)

@@ -38,7 +38,7 @@ def served(engine, arrivals):
     def recording(rows, seqs):  # the logits each request's tokens are picked from
         for row, s in zip(rows, seqs):
             logits.setdefault(s.id, []).append(row.float())
-    engine.on_logits, pending, step, started = recording, sorted(arrivals, key=lambda a: a[0]), 0, time.perf_counter()
+    engine.runner.on_logits, pending, step, started = recording, sorted(arrivals, key=lambda a: a[0]), 0, time.perf_counter()
     while pending or engine.has_work():
         while pending and pending[0][0] <= step:
             engine.submit(pending.pop(0)[1])
@@ -46,7 +46,7 @@ def served(engine, arrivals):
             tokens.setdefault(event.request_id, []).append(event.token)
             cached[event.request_id] = event.cached_tokens
         step += 1
-    engine.on_logits = None
+    engine.runner.on_logits = None
     return tokens, logits, cached, time.perf_counter() - started
 
 

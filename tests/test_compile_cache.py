@@ -430,5 +430,5 @@ def test_loading_kept_steps_leaves_the_cache_out_of_autograd_for_weights_that_re
     model = compiled_model()
     assert all(p.requires_grad for p in model.parameters())
     engine = ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=every_way_compiled.folder)
-    assert all(step.loaded for step in engine.steps.values()) and len(engine.steps) > 1
-    assert not engine.rows.heads_k.requires_grad and not engine.rows.heads_v.requires_grad
+    assert all(step.loaded for step in engine.runner.steps.kept.values()) and len(engine.runner.steps.kept) > 1
+    assert not engine.runner.rows.heads_k.requires_grad and not engine.runner.rows.heads_v.requires_grad

@@ -48,7 +48,7 @@ def test_the_engines_forwards_hand_sdpa_a_mask_or_is_causal(calls):
         engine.submit(Request(str(i), prompt, max_tokens=5, temperature=0))
         while engine.has_work():
             engine.step()
-    assert engine.prompt_tokens_cached > 0
+    assert engine.scheduler.prompt_tokens_cached > 0
     assert any(queries > 1 and masked for queries, masked, _ in calls)  # prompt chunks after cached positions
 
 

@@ -19,7 +19,8 @@ from errors import BadValue
 from engines.blocks import PrefixCache, blocks_for_bytes, digests_of
 from engines.decode_step import GraphCache
 from engines.row_cache import prompt_step, with_masked_attention
-from engines.serving import Event, Request, ServingEngine
+from engines.sequence import Event, Request
+from engines.serving import ServingEngine
 from engines.serving_text import TextStream
 from prefill_clone import Engine, KVCache
 
@@ -68,24 +69,23 @@ def alone_logits(r):
 
 
 def recording(engine):
-    """Wrap engine's _pick to keep each request's logits, token by token; returns {id: [logits, ...]}."""
-    seen, pick = {}, engine._pick
+    """Keep each request's logits, token by token, through the runner's hook: {id: [logits, ...]}."""
+    seen = {}
 
     def keeping(logits, seqs):
         for row, s in zip(logits, seqs):
             seen.setdefault(s.id, []).append(row.clone())
-        return pick(logits, seqs)
-    engine._pick = keeping
+    engine.runner.on_logits = keeping
     return seen
 
 
 def check_books(engine):
     """The rows' and the store's books balance: every row free or held by one admitted request, every
     stored block free or holding one digest."""
-    admitted = engine.prefilling + engine.running
-    assert sorted(engine.free_rows + [s.row for s in admitted]) == list(range(engine.max_rows))
-    assert all(s.row is None for s in engine.waiting)
-    prefix = engine.prefix
+    admitted = engine.scheduler.prefilling + engine.scheduler.running
+    assert sorted(engine.scheduler.free_rows + [s.row for s in admitted]) == list(range(engine.max_rows))
+    assert all(s.row is None for s in engine.scheduler.waiting)
+    prefix = engine.scheduler.prefix
     assert sorted(prefix.free + list(prefix.blocks.values())) == list(range(prefix.n_blocks))
 
 
@@ -95,7 +95,7 @@ def serve(engine, arrivals, compile_at=None):
     pending, events, step = sorted(arrivals, key=lambda a: a[0]), {}, 0
     while pending or engine.has_work():
         if compile_at is not None and compile_at[0] == step:
-            assert engine.running, "the compiled steps are meant to meet requests in flight"
+            assert engine.scheduler.running, "the compiled steps are meant to meet requests in flight"
             engine.use_compiled(compile_at[1])
         while pending and pending[0][0] <= step:
             r = pending.pop(0)[1]
@@ -172,7 +172,7 @@ def test_every_request_gets_the_tokens_the_engine_gives_it_alone_whatever_arrive
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
         check_events(r, events[r.id])
-    assert sorted(engine.free_rows) == list(range(engine.max_rows)) and not engine.active
+    assert sorted(engine.scheduler.free_rows) == list(range(engine.max_rows)) and not engine.active
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -183,7 +183,7 @@ def test_on_the_compiled_decode_step_every_request_still_gets_the_engines_tokens
     compiled = every_way_compiled
     engine = ServingEngine(compiled.model, TOK, **{**shape, "max_rows": COMPILED_ROWS}, compile=True,
                            compile_cache=compiled.folder)
-    assert all(step.loaded for step in engine.runner.steps.values()) and engine.runner.sizes == [1, 2, COMPILED_ROWS]
+    assert all(step.loaded for step in engine.runner.steps.kept.values()) and engine.runner.steps.sizes == [1, 2, COMPILED_ROWS]
     events = serve(engine, arrivals)
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
@@ -196,9 +196,9 @@ def test_compiled_steps_taken_on_while_serving_leave_every_requests_tokens_as_th
     arrivals, shape = random_trial(1)
     compiled = every_way_compiled
     engine = ServingEngine(compiled.model, TOK, **{**shape, "max_rows": COMPILED_ROWS})
-    assert not engine.runner.compile and not any(step.package for step in engine.runner.steps.values())
+    assert not engine.runner.steps.compile and not any(step.package for step in engine.runner.steps.kept.values())
     events = serve(engine, arrivals, compile_at=(6, compiled.folder))
-    assert all(step.loaded for step in engine.runner.steps.values()) and engine.runner.sizes == [1, 2, COMPILED_ROWS]
+    assert all(step.loaded for step in engine.runner.steps.kept.values()) and engine.runner.steps.sizes == [1, 2, COMPILED_ROWS]
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
         check_events(r, events[r.id])
@@ -278,7 +278,7 @@ def test_a_prompt_reuses_the_cached_blocks_up_to_where_it_parts(shared, cached):
     a, b = request("a", first, 4), request("b", second, 7, seed=3, temperature=1.0, top_k=50)
     events = serve(engine, [(0, a), (10, b)])
     assert cached_tokens(events, "b") == cached and tokens(events["b"]) == alone(b)
-    assert engine.prompt_tokens_computed == len(first) + len(second) - cached
+    assert engine.scheduler.prompt_tokens_computed == len(first) + len(second) - cached
 
 
 def test_a_second_chat_turn_reuses_the_first_turns_blocks_and_gives_a_full_prefills_tokens():
@@ -301,7 +301,7 @@ def test_conversations_sharing_a_system_prompt_compute_it_once_even_when_they_ar
     engine = ServingEngine(MODEL, TOK, max_rows=8, block_size=4)
     events = serve(engine, [(0, c) for c in chats])
     assert [cached_tokens(events, c.id) for c in chats] == [0] + [12] * 5
-    assert engine.prompt_tokens_computed == 12 + 2 * 6
+    assert engine.scheduler.prompt_tokens_computed == 12 + 2 * 6
     assert all(tokens(events[c.id]) == alone(c) for c in chats)
 
 
@@ -318,7 +318,7 @@ def test_two_requests_sharing_a_prefix_run_side_by_side_the_second_on_the_firsts
         return events
     engine.step = step_and_look
     events = serve(engine, [(0, a), (0, b)])
-    assert cached_tokens(events, "b") == 8 and engine.prompt_tokens_computed == 11 + 2
+    assert cached_tokens(events, "b") == 8 and engine.scheduler.prompt_tokens_computed == 11 + 2
     assert tokens(events["a"]) == alone(a) and tokens(events["b"]) == alone(b)
     assert sum(together) >= 10  # both decoding in the same steps
 
@@ -351,7 +351,7 @@ def test_a_cancelled_request_frees_its_row_at_the_next_step(when, rows):
     other, gone = request("other", [4, 5, 6], 20, seed=9, temperature=1.0), request("gone", list(range(1100, 1120)), 10)
     engine.submit(other)
     made = [e.token for e in engine.step()]
-    before = list(engine.free_rows)
+    before = list(engine.scheduler.free_rows)
     engine.submit(gone)
     steps = [engine.step() for _ in range(when)]
     assert sum(e.request_id == "gone" for events in steps for e in events) == (3 if when == 7 else 0)
@@ -359,7 +359,7 @@ def test_a_cancelled_request_frees_its_row_at_the_next_step(when, rows):
     engine.cancel("never-seen")  # a hang-up racing a finish: ignored
     events = engine.step()
     assert [(e.token, e.text, e.finish_reason) for e in events if e.request_id == "gone"] == [(None, "", "cancelled")]
-    assert "gone" not in engine.active and engine.free_rows == before
+    assert "gone" not in engine.active and engine.scheduler.free_rows == before
     made += [e.token for events in steps + [events] for e in events if e.request_id == "other"]
     made += tokens(serve(engine, [])["other"]) if engine.has_work() else []
     assert made == alone(other)
@@ -470,8 +470,8 @@ def test_the_interface_the_server_reads():
                                                 "cached_tokens", "completion_tokens"]
     engine = ServingEngine(MODEL, TOK)
     assert not engine.has_work() and engine.step() == []
-    assert engine.prefix.n_blocks == 16 * 2  # default: as many blocks as the 16 rows of the full window hold
-    assert blocks_for_bytes(MODEL, engine.store.nbytes(), 16) == engine.prefix.n_blocks
+    assert engine.scheduler.prefix.n_blocks == 16 * 2  # default: as many blocks as the 16 rows of the full window hold
+    assert blocks_for_bytes(MODEL, engine.scheduler.store.nbytes(), 16) == engine.scheduler.prefix.n_blocks
 
 
 def test_the_prefix_cache_evicts_the_least_recently_used_first_and_a_chains_tail_before_its_head():

@@ -21,9 +21,11 @@ import transformers
 from cached import first_difference, load_pair
 from engines import peers
 from engines.hf_folder import (HF_FILES, PROMPT, SAMPLE, compare, folder_differences, load_folder, logging,
-                               neox_state_dict, read_folder, spelled_vocabulary, write_folder)
+                               neox_state_dict, read_folder, rounded_to, spelled_vocabulary, stored_dtype,
+                               write_folder)
 
 
+FOLDER_DTYPES = ("float32", "bfloat16", "float16")
 BROKEN = {
     "layout": "--break layout: q and k rows left in Part 3's interleaved order, which GPT-NeoX reads as halves",
     "rotary": "--break rotary: no rotary_pct, read as transformers 4 reads it (0.25: a quarter of each head rotates)",
@@ -203,7 +205,10 @@ def check_folder(args):
         raise BadValue(f"--check {shown(args.check)}: not a folder with a config.json; give an exported folder")
     model, bpe = load_pair(args.checkpoint, args.tokenizer)
     hf, hf_tokenizer = read_folder(args.check)
-    print(f"{shown(args.check)} loaded through transformers {transformers.__version__}:")
+    dtype = stored_dtype(args.check)
+    model = rounded_to(model, dtype)  # a bfloat16 or float16 folder holds the weights rounded
+    print(f"{shown(args.check)} ({str(dtype).removeprefix('torch.')}) loaded through transformers "
+          f"{transformers.__version__}:")
     same = report(*compare(model, bpe, hf, hf_tokenizer))
     differences = folder_differences(model, bpe, args.check, hf, hf_tokenizer)
     print("config, every weight and the whole tokenizer: " + ("exactly the export's" if not differences else
@@ -222,6 +227,9 @@ def main():
     ap.add_argument("--gguf", metavar="FILE", help=f"write a GGUF for llama.cpp ({peers.REQUIREMENTS})")
     ap.add_argument("--gguf-type", default="f32", choices=peers.GGUF_TYPES)
     ap.add_argument("--ct2", metavar="DIR", help=f"write a CTranslate2 model directory ({peers.REQUIREMENTS})")
+    ap.add_argument("--dtype", default="float32", choices=FOLDER_DTYPES,
+                    help="the Hugging Face folder's weights (vLLM's fast attention takes bfloat16 or float16); it "
+                         "is proven against the checkpoint's weights rounded alike")
     ap.add_argument("--force", action="store_true", help="replace a previous export (never anything else)")
     ap.add_argument("--break", dest="broken", metavar="layout|rotary", help="show a gotcha; writes nothing")
     ap.add_argument("--check", metavar="DIR", help="load an exported folder through the installed transformers "
@@ -234,6 +242,9 @@ def main():
         raise BadValue(f"--break must be 'layout' or 'rotary', got {args.broken!r}")
     if args.broken and (args.gguf or args.ct2):
         raise BadValue("--break writes nothing; drop --gguf and --ct2")
+    if args.dtype != "float32" and (args.gguf or args.ct2):
+        raise BadValue("--dtype is the Hugging Face folder's; a GGUF has --gguf-type, and CTranslate2 converts from "
+                       "float32: export them without --dtype")
     out_dir = args.out_dir or (None if args.gguf or args.ct2 else "holmes-hf")
     outputs = [p for p in (out_dir, args.gguf, args.ct2) if p]
     if not args.broken:
@@ -251,6 +262,8 @@ def main():
         if wanted:
             peers.engine(module)
     model, bpe = load_pair(args.checkpoint, args.tokenizer)
+    dtype = getattr(torch, args.dtype)
+    model = rounded_to(model, dtype)  # the folder holds the weights rounded: proven against the same rounding
     if args.gguf:
         peers.check_gguf_type(model.cfg, args.gguf_type)  # before the folder is built and proven
     works = []
@@ -258,8 +271,9 @@ def main():
         built = {}
         folder = os.path.join(work_folder(None if args.broken else outputs[0], works), "hf")
         write_folder(model, bpe, folder, fix_layout=args.broken != "layout",
-                     rotary_pct=0.25 if args.broken == "rotary" else 1.0)
-        print(BROKEN.get(args.broken, f"{args.checkpoint} as GPTNeoXForCausalLM, {args.tokenizer} as a fast "
+                     rotary_pct=0.25 if args.broken == "rotary" else 1.0, dtype=dtype)
+        rounded = "" if args.dtype == "float32" else f" (its weights {args.dtype}, model.py's rounded alike)"
+        print(BROKEN.get(args.broken, f"{args.checkpoint} as GPTNeoXForCausalLM{rounded}, {args.tokenizer} as a fast "
                                       f"tokenizer, loaded back through transformers {transformers.__version__}:"))
         hf, tokenizer = load_folder(folder)
         exact = report(*compare(model, bpe, hf, tokenizer))

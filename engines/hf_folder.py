@@ -15,6 +15,7 @@ same trap: transformers 5 writes the rotary fraction as rope_parameters, and
 transformers 4 (and the engines' converters), not finding rotary_pct, rotate
 a quarter of each head. config.json carries both. export.py is the command.
 """
+import copy
 import json
 import os
 
@@ -148,13 +149,15 @@ def folder_differences(model, bpe, path, hf, hf_tokenizer):
     return found
 
 
-def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0):
+def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0, dtype=torch.float32):
+    """The folder, its weights stored as dtype (float32; bfloat16 or float16 for engines whose fast paths
+    take no float32, vLLM's)."""
     hf = GPTNeoXForCausalLM(neox_config(model.cfg, rotary_pct))
     weights = neox_state_dict(model, fix_layout)
     if "embed_out.weight" in hf.state_dict():  # transformers 4's name for the output matrix
         weights["embed_out.weight"] = weights.pop("lm_head.weight")
     hf.load_state_dict(weights, strict=True)
-    hf.save_pretrained(path)
+    hf.to(dtype).save_pretrained(path)
     fast_tokenizer(bpe).save_pretrained(path)
     # transformers 5 names its class TokenizersBackend, which 4 does not know; both know this one
     config_path = os.path.join(path, "tokenizer_config.json")
@@ -166,6 +169,19 @@ def write_folder(model, bpe, path, fix_layout=True, rotary_pct=1.0):
 
 def load_folder(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def stored_dtype(path):
+    """The dtype a folder's config.json says its weights are stored in (transformers 5: dtype, 4: torch_dtype)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    return getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def rounded_to(model, dtype):
+    """The model with each weight rounded to dtype and widened back: what a folder stored in dtype holds, read as
+    float32. A float32 model is returned as it is."""
+    return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype).float()
 
 
 def read_folder(path):

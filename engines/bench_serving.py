@@ -19,9 +19,12 @@ engines/server.py's, with "\\nUser:" as a stop), so all three engines see the sa
                number of slots (-np CLIENTS, -c CLIENTS*256), continuous batching and prompt caching on
 
 each in a process of its own, one after another, with the same threads. Printed: generated tok/s over the
-replay's wall time; time to first token and inter-token latency, p50 and p95; prompt tokens computed
+replay's wall time; time to first token and inter-token latency, p50 and p95; each request's time per
+token after the first ((last token - first token) / (n - 1), tpot), p50 and p95; prompt tokens computed
 against served from cache (usage.prompt_tokens_details.cached_tokens); turn 1 against turn 10 time to first
-token of the chats (medians); and the issue's targets, met or not. An engine that cannot run is said so.
+token of the chats (medians); where serve.py's engine step spent the replay, ms a step in each phase of
+ServingEngine.step (its /health counts them); and the targets, met or not. An engine that cannot run is
+said so.
 """
 import http.client
 import json
@@ -185,6 +188,12 @@ def free_port():
         return s.getsockname()[1]
 
 
+def health(port):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/health")
+    return json.loads(conn.getresponse().read())
+
+
 def wait_healthy(port, process, name, compiled, seconds=1800):
     """Until /health answers 200 (serve.py's: with its compiled decode steps in, where `compiled`)."""
     deadline = time.time() + seconds
@@ -211,7 +220,16 @@ def server_run(name, command, port, sessions, args, bpe, extra):
         wait_healthy(port, process, name, compiled=name == "serve.py" and not args.eager)
         send = http_send(port, args.max_tokens, extra)
         send("Warm up the engine once.")
-        return replay(sessions, args.clients, send, bpe, args.max_tokens)
+        before = health(port) if name == "serve.py" else None
+        records, wall = replay(sessions, args.clients, send, bpe, args.max_tokens)
+        result = summary(records, wall)
+        if before is not None:  # where serve.py's engine step spent the replay, phase by phase
+            after = health(port)
+            steps = after["steps"] - before["steps"]
+            result["steps"] = steps
+            result["step_ms"] = {phase: (t - before["step_seconds"][phase]) / steps * 1e3
+                                 for phase, t in after["step_seconds"].items()}
+        return result
     finally:
         process.terminate()
         try:
@@ -228,10 +246,12 @@ def pct(xs, p):
 def summary(records, wall):
     gaps = [g for r in records for g in r["gaps"]]
     ttfts = [r["ttft"] for r in records]
+    per_token = [sum(r["gaps"]) / len(r["gaps"]) for r in records if r["gaps"]]  # (last - first) / (n - 1)
     turn = lambda k: [r["ttft"] for r in records if r["kind"] == "chat" and r["turn"] == k]
     return {"tok_s": sum(r["completion"] for r in records) / wall, "wall_s": wall, "requests": len(records),
             "ttft_p50_ms": pct(ttfts, 50), "ttft_p95_ms": pct(ttfts, 95), "itl_p50_ms": pct(gaps, 50),
-            "itl_p95_ms": pct(gaps, 95), "prompt_tokens": sum(r["prompt"] for r in records),
+            "itl_p95_ms": pct(gaps, 95), "tpot_p50_ms": pct(per_token, 50), "tpot_p95_ms": pct(per_token, 95),
+            "prompt_tokens": sum(r["prompt"] for r in records),
             "cached_tokens": sum(r["cached"] for r in records),
             "turn1_ttft_ms": pct(turn(1), 50), "turn10_ttft_ms": pct(turn(TURNS), 50)}
 
@@ -275,11 +295,11 @@ def main():
         print("  engine: done", flush=True)
     if "serve.py" not in skip:
         port = free_port()
-        results["serve.py"] = summary(*server_run("serve.py", [sys.executable, "serve.py", args.checkpoint, "--port",
+        results["serve.py"] = server_run("serve.py", [sys.executable, "serve.py", args.checkpoint, "--port",
                                                               str(port), "--rows", str(args.clients), "--device",
                                                               args.device, "--dtype", args.dtype] +
                                                   ["--eager"] * args.eager,
-                                                  port, sessions, args, bpe, {}))
+                                         port, sessions, args, bpe, {})
         print("  serve.py: done", flush=True)
     if "llama-server" not in skip:
         if not args.llama_server or not os.path.exists(args.llama_server):
@@ -296,17 +316,22 @@ def main():
                 command = [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                            "-np", str(args.clients), "-c", str(args.clients * CONTEXT), "-t", str(args.threads),
                            "-tb", str(args.threads), "-cb", "--log-disable"]
-                results["llama-server"] = summary(*server_run("llama-server", command, port, sessions, args, bpe,
-                                                              {"repeat_penalty": 1.0, "cache_prompt": True}))
+                results["llama-server"] = server_run("llama-server", command, port, sessions, args, bpe,
+                                                     {"repeat_penalty": 1.0, "cache_prompt": True})
             print("  llama-server: done", flush=True)
-    print(f"\n{'':<13}{'tok/s':>7} {'ttft p50':>9} {'ttft p95':>9} {'itl p50':>8} {'itl p95':>8} "
+    print(f"\n{'':<13}{'tok/s':>7} {'ttft p50':>9} {'ttft p95':>9} {'itl p50':>8} {'itl p95':>8} {'tpot p50':>9} "
+          f"{'tpot p95':>9} "
           f"{'prompt tok':>11} {'cached':>7} {'turn1 ttft':>11} {'turn10 ttft':>12}   (ms)")
     for name, r in results.items():
         print(f"{name:<13}{r['tok_s']:>7.0f} {r['ttft_p50_ms']:>9.0f} {r['ttft_p95_ms']:>9.0f} {r['itl_p50_ms']:>8.1f} "
-              f"{r['itl_p95_ms']:>8.1f} {r['prompt_tokens']:>11} {r['cached_tokens']:>7} {r['turn1_ttft_ms']:>11.0f} "
+              f"{r['itl_p95_ms']:>8.1f} {r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>9.1f} {r['prompt_tokens']:>11} "
+              f"{r['cached_tokens']:>7} {r['turn1_ttft_ms']:>11.0f} "
               f"{r['turn10_ttft_ms']:>12.0f}")
     ours = results.get("serve.py")
     if ours:
+        phases = ", ".join(f"{phase} {ms:.2f}" for phase, ms in ours["step_ms"].items())
+        print(f"serve.py's engine step, ms a step over the replay's {ours['steps']} steps (the host's clock): {phases}; "
+              f"{sum(ours['step_ms'].values()):.2f} in all, against an inter-token p50 of {ours['itl_p50_ms']:.2f}")
         targets = [("serve.py / llama-server throughput", "llama-server", lambda o: ours["tok_s"] / o["tok_s"], 1.0),
                    ("serve.py / one-at-a-time throughput", "engine", lambda o: ours["tok_s"] / o["tok_s"], 5.0)]
         for label, other, ratio, least in targets:

@@ -24,6 +24,8 @@ in a loop of its own and passes each Event to its client).
         for event in engine.step():
             print(event.request_id, event.text, event.finish_reason)
 """
+import time
+
 from errors import BadValue
 
 import torch
@@ -34,6 +36,23 @@ from engines.scheduler import Scheduler
 from engines.sequence import Request, Sequence
 from engines.serving_runner import ServingRunner
 from prefill_clone import Engine
+
+
+# step()'s phases, timed on the host: on CUDA a phase's kernels may run on into the next one's time (pick's copy
+# of the tokens to the host waits for them)
+PHASES = ("schedule", "decode", "prefill", "pick", "events and blocks")
+
+
+def laps(totals):
+    """lap(name): add the seconds since the last lap (or since this call) to totals[name]."""
+    last = time.perf_counter()
+
+    def lap(name):
+        nonlocal last
+        now = time.perf_counter()
+        totals[name] += now - last
+        last = now
+    return lap
 
 
 def whole(name, value, least):
@@ -65,6 +84,7 @@ class ServingEngine:
         self.scheduler = Scheduler(model, self.runner.rows, block_size, whole("cache_blocks", blocks, 0),
                                    prefill_chunk, bool(fixed_shapes))
         self.active, self.cancelling = {}, set()
+        self.seconds, self.steps_taken = dict.fromkeys(PHASES, 0.0), 0  # step()'s phases in all, for a breakdown
 
     def use_compiled(self, compile_cache=None):
         """From the next step on, run the decode steps compiled (loaded from compile_cache where kept): serve.py's
@@ -110,14 +130,21 @@ class ServingEngine:
     @torch.inference_mode()
     def step(self):
         """One decode step for every running row, and a chunk of prefill; the Events of this step."""
+        lap, self.steps_taken = laps(self.seconds), self.steps_taken + 1
         events = [self._finish(self.active[i], "cancelled") for i in sorted(self.cancelling)]
         plan = self.scheduler.schedule()  # admits newcomers
-        scores = self.runner.run(plan)
+        lap("schedule")
+        scores = self.runner.decode(plan)
+        lap("decode")
+        scores |= self.runner.prefill(plan)
+        lap("prefill")
         picking = self.scheduler.ran(plan)  # the sequences whose next token is picked from this step's scores
         if picking:
             tokens = self.runner.pick(torch.stack([scores[s] for s in picking]), picking)
+            lap("pick")
             events += [self._advance(s, token) for s, token in zip(picking, tokens)]
         self.scheduler.keep_full_blocks()
+        lap("events and blocks")
         return events
 
     def _advance(self, s, token):

@@ -42,19 +42,11 @@ class ServingRunner:
             runner.step(n)
         return runner
 
-    def run(self, plan):
-        """{sequence: the scores its next token is picked from} for the plan's decoding rows and chunks."""
-        scores = {}
-        if plan.decoding:
-            logits = self._decode(plan)
-            scores.update((s, logits[s.row]) for s in plan.decoding)
-        for group in self._by_length(plan.chunks):
-            logits = prompt_step(self.prompt_model, self.rows, [(s.row, s.tokens[a:b], a) for s, a, b in group])
-            scores.update((s, row) for (s, _, _), row in zip(group, logits))
-        return scores
-
-    def _decode(self, plan):
-        """The decode step over the fewest first rows that hold every decoding row: logits (rows, vocab)."""
+    def decode(self, plan):
+        """{sequence: the scores its next token is picked from} for the plan's decoding rows: the decode step over
+        the fewest first rows that hold every one of them."""
+        if not plan.decoding:
+            return {}
         step = self.steps.step(max(s.row for s in plan.decoding) + 1)
         n = step.cache.shape["batch"]
         tokens, positions = [0] * n, [0] * n
@@ -65,7 +57,16 @@ class ServingRunner:
             tokens[s.row] = s.tokens[s.computed]
         self.rows.cache_seqlens[:n].copy_(torch.tensor(positions))
         last = self.model.cfg.context - 1 if self.fixed_shapes else max(s.computed for s in plan.decoding)
-        return step(torch.tensor(tokens, device=self.device).view(-1, 1), last)
+        logits = step(torch.tensor(tokens, device=self.device).view(-1, 1), last)
+        return {s: logits[s.row] for s in plan.decoding}
+
+    def prefill(self, plan):
+        """{sequence: the scores of its chunk's last token} for the plan's prompt chunks."""
+        scores = {}
+        for group in self._by_length(plan.chunks):
+            logits = prompt_step(self.prompt_model, self.rows, [(s.row, s.tokens[a:b], a) for s, a, b in group])
+            scores.update((s, row) for (s, _, _), row in zip(group, logits))
+        return scores
 
     @staticmethod
     def _by_length(chunks):

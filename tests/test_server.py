@@ -31,6 +31,7 @@ needs("uvicorn")
 needs("starlette")
 
 from cached import load_pair  # noqa: E402
+from engines.serving import PHASES  # noqa: E402
 from servers import HANG_GUARD, Running, Watched, wait_for  # noqa: E402
 
 SYSTEM = ("You are Sherlock Holmes, the consulting detective of Baker Street. Answer as he would, "
@@ -70,6 +71,15 @@ def test_the_models_list_names_the_served_model_and_health_says_ok(server):
     assert [m.id for m in server.client.models.list().data] == ["holmes"]
     status, health = server.http("GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["rows"] == 16 and health["decode_steps"] == "eager"
+
+
+def test_health_counts_the_engines_steps_and_their_phases_for_the_breakdown(server):
+    before = server.http("GET", "/health")[1]
+    server.client.completions.create(model="holmes", prompt="The night was", max_tokens=5, temperature=0)
+    after = server.http("GET", "/health")[1]
+    assert after["steps"] >= before["steps"] + 5  # a step a token at least
+    assert list(after["step_seconds"]) == list(PHASES)
+    assert all(after["step_seconds"][p] >= before["step_seconds"][p] for p in PHASES)
 
 
 def test_a_greedy_completion_is_cacheds_greedy_whole_and_streamed(server, pair):

@@ -130,6 +130,8 @@ class DecodeStep:
         self.knobs = None if pick is None else Knobs(batch, model.cfg.vocab_size, device)
         self.run, self.graph, self.compile_seconds = self._step, None, 0.0
         self.loaded, self.package, self.way, self.way_ms = False, None, None, {}
+        # loading a package on CUDA took the process down (torch 2.11, an H200), with no error to catch
+        assert jit or not compile or device.type != "cuda", "on CUDA the step compiles with jit, never as a package"
         self.every_slot = jit or capture  # one shape for every step: the mask, not the slots read, moves
         if self.every_slot:
             cache.attended = cache.slots

@@ -41,7 +41,7 @@ stage cuda_tokens_and_speed 150 "$py" -m engines.cuda_check --json "$out/cuda_ch
 stage lesson_on_cuda 60 sh -c "$py cached.py --device cuda && $py prefill_clone.py --device cuda && \
 $py sample_grid.py --device cuda"
 stage serving_check_float32 120 "$py" -m engines.serving_check --device cuda --compile --chats 16
-stage serving_check_bfloat16 150 "$py" -m engines.serving_check --device cuda --compile --chats 16 --dtype bfloat16
+stage serving_check_bfloat16 90 "$py" -m engines.serving_check --device cuda --chats 16 --dtype bfloat16
 stage serve_saturated 150 "$py" -m engines.bench_serving --device cuda --rate 50 --think 0.05 --skip llama-server \
     --json "$out/serving.json"
 stage bench_tables 150 "$py" bench.py cuda --tables 0,2,4,5 --tokens 64 256 --json "$out/bench.json"

@@ -395,8 +395,9 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
     async def health(request):
         steps = "compiled" if engine.runner.steps.compile else "eager"
         return JSONResponse({"status": "failed" if loop.failed else "ok", "model": model_id, "rows": rows,
-                             "in_flight": len(loop.queues), "decode_steps": steps, "steps": engine.steps_taken,
-                             "step_seconds": dict(engine.seconds)},
+                             "in_flight": len(loop.queues), "decode_steps": steps, "steps": engine.clock.steps,
+                             "step_seconds": dict(engine.clock.seconds),
+                             "decoding_steps": {kind: list(v) for kind, v in engine.clock.decoding.items()}},
                             status_code=503 if loop.failed else 200)
 
     async def page(request):

@@ -38,21 +38,32 @@ from engines.serving_runner import ServingRunner
 from prefill_clone import Engine
 
 
-# step()'s phases, timed on the host: on CUDA a phase's kernels may run on into the next one's time (pick's copy
-# of the tokens to the host waits for them)
-PHASES = ("schedule", "decode", "prefill", "pick", "events and blocks")
+class StepClock:
+    """Where the engine's steps spend their time, for a breakdown (bench_serving reads it through /health): each
+    phase of step() in all (timed on the host: on CUDA a phase's kernels may run on into the next one's time, the
+    pick's copy of the tokens waiting for them), and the steps that decode, with prompt chunks beside or without,
+    [steps, seconds] each."""
+    PHASES = ("schedule", "decode", "prefill", "pick", "events and blocks")
 
+    def __init__(self):
+        self.steps, self.seconds = 0, dict.fromkeys(self.PHASES, 0.0)
+        self.decoding = {"decode only": [0, 0.0], "with prefill": [0, 0.0]}
 
-def laps(totals):
-    """lap(name): add the seconds since the last lap (or since this call) to totals[name]."""
-    last = time.perf_counter()
+    def start(self):
+        self.steps += 1
+        self.started = self.last = time.perf_counter()
 
-    def lap(name):
-        nonlocal last
+    def lap(self, phase):
+        """Add the seconds since the last lap (or the start) to the phase, and return them."""
         now = time.perf_counter()
-        totals[name] += now - last
-        last = now
-    return lap
+        seconds, self.last = now - self.last, now
+        self.seconds[phase] += seconds
+        return seconds
+
+    def stop(self, plan):
+        if plan.decoding:  # what a decoding row waited for its token
+            kind = self.decoding["with prefill" if plan.chunks else "decode only"]
+            kind[0], kind[1] = kind[0] + 1, kind[1] + self.last - self.started
 
 
 def whole(name, value, least):
@@ -69,11 +80,12 @@ class ServingEngine:
     decode step compiled (the step runner's), on a CPU loaded from compile_cache where it is kept already.
     fixed_shapes: a prompt fed a token a step through the decode step, every step all max_rows rows over
     the whole window, so a row's logits are bit-identical whatever else runs (batch invariance, tested);
-    it costs a step for every prompt token and the whole window's reads in every step.
+    it costs a step for every prompt token and the whole window's reads in every step. paced: while rows
+    decode, the prompt chunks of a step are cut to about its decode step's time (engines/scheduler.py).
     self.runner.on_logits: a hook given the logits each step's tokens are picked from (ServingRunner)."""
 
     def __init__(self, model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=128, *,
-                 fixed_shapes=False, compile=False, compile_cache=None):
+                 fixed_shapes=False, paced=False, compile=False, compile_cache=None):
         self.model, self.tokenizer = model, tokenizer
         self.lesson = Engine(model, tokenizer)  # its checks, stop rule and pick: the same rules, not copies
         self.max_rows = whole("max_rows", max_rows, 1)
@@ -82,9 +94,9 @@ class ServingEngine:
         blocks = max_rows * blocks_per_row(model.cfg.context, block_size) if cache_blocks is None else cache_blocks
         self.runner = ServingRunner(model, self.lesson, max_rows, bool(fixed_shapes), compile, compile_cache)
         self.scheduler = Scheduler(model, self.runner.rows, block_size, whole("cache_blocks", blocks, 0),
-                                   prefill_chunk, bool(fixed_shapes))
+                                   prefill_chunk, bool(fixed_shapes), bool(paced))
         self.active, self.cancelling = {}, set()
-        self.seconds, self.steps_taken = dict.fromkeys(PHASES, 0.0), 0  # step()'s phases in all, for a breakdown
+        self.clock = StepClock()
 
     def use_compiled(self, compile_cache=None):
         """From the next step on, run the decode steps compiled (loaded from compile_cache where kept): serve.py's
@@ -130,21 +142,23 @@ class ServingEngine:
     @torch.inference_mode()
     def step(self):
         """One decode step for every running row, and a chunk of prefill; the Events of this step."""
-        lap, self.steps_taken = laps(self.seconds), self.steps_taken + 1
+        clock = self.clock
+        clock.start()
         events = [self._finish(self.active[i], "cancelled") for i in sorted(self.cancelling)]
         plan = self.scheduler.schedule()  # admits newcomers
-        lap("schedule")
+        clock.lap("schedule")
         scores = self.runner.decode(plan)
-        lap("decode")
+        decoding = clock.lap("decode")
         scores |= self.runner.prefill(plan)
-        lap("prefill")
+        self.scheduler.pace(decoding, clock.lap("prefill"), plan)
         picking = self.scheduler.ran(plan)  # the sequences whose next token is picked from this step's scores
         if picking:
             tokens = self.runner.pick(torch.stack([scores[s] for s in picking]), picking)
-            lap("pick")
+            clock.lap("pick")
             events += [self._advance(s, token) for s, token in zip(picking, tokens)]
         self.scheduler.keep_full_blocks()
-        lap("events and blocks")
+        clock.lap("events and blocks")
+        clock.stop(plan)
         return events
 
     def _advance(self, s, token):

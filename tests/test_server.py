@@ -31,7 +31,7 @@ needs("uvicorn")
 needs("starlette")
 
 from cached import load_pair  # noqa: E402
-from engines.serving import PHASES  # noqa: E402
+from engines.serving import StepClock  # noqa: E402
 from servers import HANG_GUARD, Running, Watched, wait_for  # noqa: E402
 
 SYSTEM = ("You are Sherlock Holmes, the consulting detective of Baker Street. Answer as he would, "
@@ -78,8 +78,9 @@ def test_health_counts_the_engines_steps_and_their_phases_for_the_breakdown(serv
     server.client.completions.create(model="holmes", prompt="The night was", max_tokens=5, temperature=0)
     after = server.http("GET", "/health")[1]
     assert after["steps"] >= before["steps"] + 5  # a step a token at least
-    assert list(after["step_seconds"]) == list(PHASES)
-    assert all(after["step_seconds"][p] >= before["step_seconds"][p] for p in PHASES)
+    assert list(after["step_seconds"]) == list(StepClock.PHASES)
+    assert all(after["step_seconds"][p] >= before["step_seconds"][p] for p in StepClock.PHASES)
+    assert after["decoding_steps"]["decode only"][0] >= before["decoding_steps"]["decode only"][0] + 4
 
 
 def test_a_greedy_completion_is_cacheds_greedy_whole_and_streamed(server, pair):

@@ -198,7 +198,7 @@ def main():
     if in_process:
         print(f"serve.py: compiling the decode step for each batch size on {device}", file=sys.stderr, flush=True)
     engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE,
-                           cache_blocks=blocks, prefill_chunk=args.prefill_chunk, paced=True, compile=in_process)
+                           cache_blocks=blocks, prefill_chunk=args.prefill_chunk, compile=in_process)
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
     host, port = sock.getsockname()[:2]
     app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue,

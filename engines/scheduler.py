@@ -10,9 +10,6 @@ into its row from the prefix cache (engines/blocks.py says which stored block ho
 engines/row_cache.py's BlockStore holds them), not computed again; the prompt's last token always runs, for
 the logits of its first new token. Every full block a row completes is kept for later prompts.
 fixed_shapes: no chunks; a prompt is fed a token a step through the decode step, with every admitted row.
-paced: while rows decode, a step's chunks are cut to what its decode step takes to run (pace(), from the
-steps' measured times), so a decoding row waits at most about twice a decode-only step for its next token;
-with no row decoding, the whole budget runs. Pacing moves when prompt tokens are computed, never a token.
 """
 import heapq
 from collections import deque
@@ -20,9 +17,6 @@ from dataclasses import dataclass
 
 from engines.blocks import PrefixCache, block_digest
 from engines.row_cache import BlockStore
-
-
-PACED_LEAST = 8  # prompt tokens a paced step runs at least: a prompt always moves on
 
 
 @dataclass
@@ -35,9 +29,8 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, model, rows, block_size, cache_blocks, prefill_chunk, fixed_shapes, paced=False):
+    def __init__(self, model, rows, block_size, cache_blocks, prefill_chunk, fixed_shapes):
         self.rows, self.block_size, self.prefill_chunk, self.fixed_shapes = rows, block_size, prefill_chunk, fixed_shapes
-        self.paced, self.paced_chunk = paced, prefill_chunk  # the budget while rows decode, when paced
         self.prefix = PrefixCache(cache_blocks)
         self.store = BlockStore.for_model(model, cache_blocks, block_size)
         self.free_rows = list(range(rows.shape["batch"]))  # a heap: the lowest free row is given first
@@ -49,7 +42,7 @@ class Scheduler:
 
     def schedule(self):
         """This step's Plan; admits the newcomers it prefills (with fixed_shapes, every newcomer a row takes)."""
-        budget, chunks = self.paced_chunk if self.paced and self.running else self.prefill_chunk, []
+        budget, chunks = self.prefill_chunk, []
         for s in [] if self.fixed_shapes else self.prefilling:
             take = min(budget, s.n_prompt - s.computed)
             if take:
@@ -87,15 +80,6 @@ class Scheduler:
     def keep_full_blocks(self):
         for s in self.prefilling + self.running:
             self._keep_full_blocks(s)
-
-    def pace(self, decode_seconds, prefill_seconds, plan):
-        """After a step that decoded and prefilled: the next budget while rows decode, the prompt tokens this
-        step's prefill would have run in its decode step's time (its seconds a token, the forward's fixed
-        cost included, so the budget settles where a chunk takes as long as a decode step)."""
-        tokens = sum(end - start for _, start, end in plan.chunks)
-        if self.paced and plan.decoding and tokens:
-            fits = int(decode_seconds / prefill_seconds * tokens)
-            self.paced_chunk = max(PACED_LEAST, min(self.prefill_chunk, fits))
 
     def started(self, s):
         """s took its first new token: from now on it decodes."""

@@ -54,11 +54,10 @@ class StepClock:
         self.started = self.last = time.perf_counter()
 
     def lap(self, phase):
-        """Add the seconds since the last lap (or the start) to the phase, and return them."""
+        """Add the seconds since the last lap (or the start) to the phase."""
         now = time.perf_counter()
-        seconds, self.last = now - self.last, now
-        self.seconds[phase] += seconds
-        return seconds
+        self.seconds[phase] += now - self.last
+        self.last = now
 
     def stop(self, plan):
         if plan.decoding:  # what a decoding row waited for its token
@@ -80,12 +79,11 @@ class ServingEngine:
     decode step compiled (the step runner's), on a CPU loaded from compile_cache where it is kept already.
     fixed_shapes: a prompt fed a token a step through the decode step, every step all max_rows rows over
     the whole window, so a row's logits are bit-identical whatever else runs (batch invariance, tested);
-    it costs a step for every prompt token and the whole window's reads in every step. paced: while rows
-    decode, the prompt chunks of a step are cut to about its decode step's time (engines/scheduler.py).
+    it costs a step for every prompt token and the whole window's reads in every step.
     self.runner.on_logits: a hook given the logits each step's tokens are picked from (ServingRunner)."""
 
     def __init__(self, model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=128, *,
-                 fixed_shapes=False, paced=False, compile=False, compile_cache=None):
+                 fixed_shapes=False, compile=False, compile_cache=None):
         self.model, self.tokenizer = model, tokenizer
         self.lesson = Engine(model, tokenizer)  # its checks, stop rule and pick: the same rules, not copies
         self.max_rows = whole("max_rows", max_rows, 1)
@@ -94,7 +92,7 @@ class ServingEngine:
         blocks = max_rows * blocks_per_row(model.cfg.context, block_size) if cache_blocks is None else cache_blocks
         self.runner = ServingRunner(model, self.lesson, max_rows, bool(fixed_shapes), compile, compile_cache)
         self.scheduler = Scheduler(model, self.runner.rows, block_size, whole("cache_blocks", blocks, 0),
-                                   prefill_chunk, bool(fixed_shapes), bool(paced))
+                                   prefill_chunk, bool(fixed_shapes))
         self.active, self.cancelling = {}, set()
         self.clock = StepClock()
 
@@ -148,9 +146,9 @@ class ServingEngine:
         plan = self.scheduler.schedule()  # admits newcomers
         clock.lap("schedule")
         scores = self.runner.decode(plan)
-        decoding = clock.lap("decode")
+        clock.lap("decode")
         scores |= self.runner.prefill(plan)
-        self.scheduler.pace(decoding, clock.lap("prefill"), plan)
+        clock.lap("prefill")
         picking = self.scheduler.ran(plan)  # the sequences whose next token is picked from this step's scores
         if picking:
             tokens = self.runner.pick(torch.stack([scores[s] for s in picking]), picking)

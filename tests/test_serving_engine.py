@@ -19,7 +19,6 @@ from errors import BadValue
 from engines.blocks import PrefixCache, blocks_for_bytes, digests_of
 from engines.decode_step import GraphCache
 from engines.row_cache import prompt_step, with_masked_attention
-from engines.scheduler import PACED_LEAST, Plan
 from engines.sequence import Event, Request
 from engines.serving import ServingEngine
 from engines.serving_text import TextStream
@@ -164,27 +163,16 @@ def random_trial(seed):
     return arrivals, shape
 
 
-@pytest.mark.parametrize("form", [{}, {"fixed_shapes": True}, {"paced": True}],
-                         ids=["variable shapes", "fixed shapes", "paced by the steps' times"])
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["variable shapes", "fixed shapes"])
 @pytest.mark.parametrize("seed", range(6))
-def test_every_request_gets_the_tokens_the_engine_gives_it_alone_whatever_arrives_when(seed, form):
+def test_every_request_gets_the_tokens_the_engine_gives_it_alone_whatever_arrives_when(seed, fixed_shapes):
     arrivals, shape = random_trial(seed)
-    engine = ServingEngine(MODEL, TOK, **shape, **form)
+    engine = ServingEngine(MODEL, TOK, **shape, fixed_shapes=fixed_shapes)
     events = serve(engine, arrivals)
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
         check_events(r, events[r.id])
     assert sorted(engine.scheduler.free_rows) == list(range(engine.max_rows)) and not engine.active
-
-
-def test_a_paced_budget_is_what_the_decode_step_took_at_the_prefills_rate_within_bounds():
-    scheduler = ServingEngine(MODEL, TOK, prefill_chunk=64, paced=True).scheduler
-    plan = Plan(decoding=["a row"], chunks=[("a prompt", 0, 32)], holding=[])
-    for decode, prefill, budget in ((0.004, 0.008, 16), (0.0001, 0.008, PACED_LEAST), (1.0, 0.001, 64)):
-        scheduler.pace(decode, prefill, plan)
-        assert scheduler.paced_chunk == budget
-    scheduler.pace(0.0001, 0.008, Plan(decoding=[], chunks=[("a prompt", 0, 32)], holding=[]))
-    assert scheduler.paced_chunk == 64  # no row decoded: nothing to pace by
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -389,7 +389,9 @@ def test_serve_refuses_a_port_in_use_or_out_of_range_in_one_line(monkeypatch, ca
     (["--rows", "0"], "--rows must be at least 1, got 0"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
     (["--cache-mib", "-1"], "--cache-mib must be a whole number >= 0, got -1"),
-])
+    (["--dtype", "float16"], "float16 runs only on CUDA here; on the CPU use bfloat16"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "torch sees no CUDA GPU here; use 'cpu'")]))
 def test_serve_refuses_a_size_it_cannot_run_in_one_line_before_it_loads_anything(flags, message, monkeypatch, capsys):
     import serve
     assert_refused(run_main(serve.main, ["serve.py", "--port", "0", "--eager", *flags], monkeypatch, capsys), message)

@@ -251,7 +251,7 @@ def main():
     args = ap.parse_args()
     for name, least in (("clients", 1), ("requests", 1), ("rate", 0.01), ("think", 0), ("max_tokens", 1), ("threads", 1)):
         check_least("--" + name.replace("_", "-"), getattr(args, name), least)
-    from timing import machine
+    from figures import machine
     info = machine(torch.device("cpu")) | {"threads": args.threads}
     sessions, bpe, results = build_trace(args.requests, args.seed, args.rate, args.think), BPE.load("tokenizer.json"), {}
     chats = sum(s["kind"] == "chat" for s in sessions)

@@ -19,7 +19,6 @@ import copy
 
 import torch
 
-from cached import CachedAttention
 from prefill_clone import LayerView
 
 
@@ -39,27 +38,6 @@ def first_rows(cache, n):
     view.heads_k, view.heads_v, view.cache_seqlens = cache.heads_k[:, :n], cache.heads_v[:, :n], cache.cache_seqlens[:n]
     view.k, view.v, view.rows = view.heads_k.transpose(2, 3), view.heads_v.transpose(2, 3), cache.rows[:n]
     return view
-
-
-class MaskedAttention(CachedAttention):
-    """CachedAttention whose cache's mask, where it gives one, replaces is_causal. cached.py passes
-    is_causal=T > 1, right for a prompt into an empty cache, where SDPA's top-left mask is causal; a chunk
-    that follows cached positions needs a mask aligned to its own positions instead, and SDPA given both
-    applies is_causal alone."""
-
-    def attend(self, q, k, v, is_causal, attn_mask=None):
-        return super().attend(q, k, v, is_causal and attn_mask is None, attn_mask)
-
-
-def with_masked_attention(module):
-    """A copy of the module tree whose attention layers are MaskedAttention; the parameters are the model's
-    own, and the model is left as it was."""
-    tree = copy.copy(module)
-    if isinstance(module, CachedAttention):
-        assert type(module) is CachedAttention, "a variant of the attention would lose what it changes"
-        tree.__class__ = MaskedAttention
-    tree._modules = {name: with_masked_attention(child) for name, child in module._modules.items()}
-    return tree
 
 
 class PromptRows:
@@ -94,7 +72,7 @@ class PromptRows:
 
 def prompt_step(model, cache, chunks):
     """Run prompt chunks [(row, ids, start)], each its prompt's tokens ids at positions start.., into their
-    rows of cache, in one forward of model (with_masked_attention's); the logits of each chunk's last token
+    rows of cache, in one forward of model (engines.rope.with_row_attention's); the logits of each chunk's last token
     (len(chunks), vocab)."""
     rows, ids, starts = zip(*chunks)
     T = max(map(len, ids))

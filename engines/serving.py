@@ -30,6 +30,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from cli import check_count
 from errors import BadValue
 
 import torch
@@ -37,7 +38,8 @@ import torch
 from checks import check_request
 from engines.blocks import PrefixCache, block_digest, blocks_per_row, digests_of
 from engines.decode_step import DecodeStep, GraphCache
-from engines.row_cache import BlockStore, decode_batches, first_rows, prompt_step, with_masked_attention
+from engines.row_cache import BlockStore, decode_batches, first_rows, prompt_step
+from engines.rope import with_row_attention
 from engines.serving_text import TextStream
 from model import check_finite
 from prefill_clone import Engine
@@ -86,12 +88,6 @@ class Sequence:
         return Event(self.id, token, text, finish_reason, self.n_prompt, self.cached, len(self.tokens) - self.n_prompt)
 
 
-def whole(name, value, least):
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise BadValue(f"{name} must be a whole number >= {least}, got {value!r}")
-    return value
-
-
 class ServingEngine:
     """max_rows: requests admitted at once (decoding or prefilling), a row of the full window each.
     block_size: positions a block of the prefix cache holds. cache_blocks: the prefix cache's blocks, its
@@ -105,14 +101,14 @@ class ServingEngine:
     def __init__(self, model, tokenizer, max_rows=16, block_size=16, cache_blocks=None, prefill_chunk=128, *,
                  fixed_shapes=False, compile=False, compile_cache=None):
         self.model, self.tokenizer = model, tokenizer
-        self.prompt_model = with_masked_attention(model)  # the prompts' chunks, each query masked at its position
+        self.prompt_model = with_row_attention(model)  # the prompts' chunks, each query masked at its position
         self.lesson = Engine(model, tokenizer)  # its checks, stop rule and pick: the same rules, not copies
-        self.max_rows = whole("max_rows", max_rows, 1)
-        self.block_size = whole("block_size", block_size, 1)
-        self.prefill_chunk = whole("prefill_chunk", prefill_chunk, 1)
+        self.max_rows = check_count("max_rows", max_rows, 1)
+        self.block_size = check_count("block_size", block_size, 1)
+        self.prefill_chunk = check_count("prefill_chunk", prefill_chunk, 1)
         self.fixed_shapes, context = bool(fixed_shapes), model.cfg.context
         cache_blocks = max_rows * blocks_per_row(context, block_size) if cache_blocks is None else cache_blocks
-        self.prefix = PrefixCache(whole("cache_blocks", cache_blocks, 0))
+        self.prefix = PrefixCache(check_count("cache_blocks", cache_blocks, 0))
         self.store = BlockStore.for_model(model, cache_blocks, block_size)
         self.rows = GraphCache.for_model(model, max_rows, context)
         # {rows: the decode step over the cache's first rows}, the fewest first (one, max_rows, with fixed_shapes)
@@ -143,7 +139,7 @@ class ServingEngine:
                      penalty=request.penalty)
         tokens, seeds, settings, stop_ids, stop_texts, _ = check_request(
             self.lesson, request.prompt, 1, request.max_tokens, request.seed, request.stop, None, knobs)
-        whole("max_tokens", request.max_tokens, 1)
+        check_count("max_tokens", request.max_tokens, 1)
         context = self.model.cfg.context
         if len(tokens) + request.max_tokens > context:
             room = context - len(tokens)

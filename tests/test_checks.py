@@ -10,7 +10,7 @@ import torch
 import cli
 import sample_grid
 from cached import CachedGPT
-from checks import load_checkpoint, save_checkpoint
+from checkpoint import load_checkpoint, save_checkpoint
 from cli import check_fits
 from engines.fast_engine import FastEngine
 from model import GPT, Config

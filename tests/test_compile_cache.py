@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engines import compile_cache, compile_ways, decode_step
-from cached import CachedGPT, break_on_purpose
+from cached import GOTCHAS, CachedGPT
 from cli import run_cli
 from engines.decode_step import DecodeStep, GraphCache
 from engines.fast_engine import FastEngine
@@ -145,11 +145,14 @@ def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
     with torch.no_grad():
         changed.blocks[1].mlp[2].weight[3, 5] += 1e-3  # one weight, a little
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    broken = copy.deepcopy(model)
+    for block in broken.blocks:
+        block.attn.__class__ = GOTCHAS["rope"]
     others = {
         "weights": step_key(changed, cache, {}),
         "batch": step_key(model, KVCache.for_model(model, 3, SMALL.context), {}),
         "dtype": step_key(bf16, KVCache.for_model(bf16, 1, SMALL.context), {}),
-        "model class": step_key(break_on_purpose(copy.deepcopy(model), "rope"), cache, {}),
+        "model class": step_key(broken, cache, {}),
         "options": step_key(model, cache, {"freezing": True}),
         "linears as dot products": step_key(model, cache, {"linears": "dot_products"}),
         "attention as math": step_key(model, cache, {"attention": "math"}),
@@ -243,7 +246,7 @@ def test_a_step_that_computes_something_else_is_refused_in_one_line(kept, light,
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.norm.weight.mul_(2)
-    made_for = step_key(model, first.steps[B, ()].cache, LIGHT["cpu"]["plain"])
+    made_for = step_key(first.steps[B, ()].model, first.steps[B, ()].cache, LIGHT["cpu"]["plain"])  # as compiled
     # the other model's key were the first's
     monkeypatch.setattr(decode_step, "step_keys", lambda model, cache, ways, pick: dict.fromkeys(ways, made_for))
     shutil.copy(first.steps[B, ()].package, tmp_path)

@@ -24,7 +24,7 @@ from bpe import BPE
 from cached import CachedGPT, load
 from engines.hf_folder import load_folder, rope_layout, write_folder
 from cli import run_cli
-from checks import save_checkpoint
+from checkpoint import save_checkpoint
 from model import Config
 
 def small_bpe(vocab_size):

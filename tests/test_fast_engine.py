@@ -11,6 +11,7 @@ from engines import fast_engine
 from engines.decode_step import GraphCache
 from engines.fast_engine import FastEngine
 from engines.matmul import KERNELS
+from engines.rope import with_row_attention
 from prefill_clone import Engine
 from sample_grid import SETTINGS, grid
 
@@ -63,13 +64,15 @@ def test_cli_prints_the_samples_and_one_line_of_timing(dtype, monkeypatch, capsy
     assert last.startswith("prompt 21 tokens, 2 samples x 4 tokens: first token in ") and f" threads, {dtype}" in last
 
 
-def test_the_graph_safe_ring_past_the_window_gives_cached_py_logits_for_600_steps():
-    test_prefill_clone.test_ring_past_the_window_gives_cached_py_logits_for_600_steps(GraphCache, known_pos=False)
+def test_the_graph_safe_ring_past_the_window_gives_a_trim_first_caches_logits_for_600_steps():
+    test_prefill_clone.test_ring_past_the_window_gives_a_trim_first_caches_logits_for_600_steps(
+        GraphCache, with_row_attention)
 
 
 def test_a_graph_safe_step_past_the_window_attends_exactly_context_keys(monkeypatch):
     model, feed = small(), prompts(1, 50, SMALL.vocab_size)
     cache = GraphCache.for_model(model, 1, SMALL.context)
+    model = with_row_attention(model)
     with torch.inference_mode():
         model.step(feed[:, :10], cache, 0)
         seen = keys_attended(monkeypatch)

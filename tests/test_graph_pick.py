@@ -14,8 +14,8 @@ from prefill_clone import Engine
 VOCAB = 300
 KNOBS = [dict(temperature=0), dict(temperature=0, penalty=1.5), dict(temperature=0.8), dict(temperature=1.3, top_k=7),
          dict(temperature=1.0, top_p=0.6), dict(temperature=0.7, top_k=40, top_p=0.9, penalty=1.3),
-         dict(temperature=1.0, top_k=VOCAB), dict(temperature=1e-30), dict(temperature=1.0, penalty=1e-38),
-         dict(temperature=0, penalty=1e38), dict(temperature=2.0, top_p=1e-9), dict(temperature=1.0, top_k=1)]
+         dict(temperature=1.0, top_k=VOCAB), dict(temperature=1e-30), dict(temperature=1.0, penalty=1e-4),
+         dict(temperature=0, penalty=1e4), dict(temperature=2.0, top_p=1e-9), dict(temperature=1.0, top_k=1)]
 
 
 def graph_picks(logits, history, settings, seeds):

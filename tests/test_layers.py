@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT
 
 LESSON = ["model", "bpe", "cached", "sampling", "prefill_clone"]  # the post's modules
+EDGE = ["cli", "checks", "errors", "files", "timing"]  # what every script shares: leaves, beneath the lesson
 SCRIPTS_ON_TOP = ["sample_grid", "bench"]  # the lesson's scripts: the folder only where a flag asks for it
 BEYOND = ("engines", "transformers", "tokenizers", "gguf", "ctranslate2", "llama_cpp", "fastapi", "starlette",
           "uvicorn", "openai", "torch._inductor")
@@ -67,6 +68,11 @@ def test_a_lesson_module_reaches_nothing_beyond_the_lesson(module):
     assert not any(m.startswith("engines") for m in reach), sorted(reach)
     outside = {m for name in reach for m in imported(modules[name]) if m.startswith(BEYOND)}
     assert not outside, f"{module} reaches {sorted(outside)}"
+
+
+@pytest.mark.parametrize("module", EDGE)
+def test_the_edge_imports_nothing_of_the_lesson(module):
+    assert reached(module, graph()) <= set(EDGE)
 
 
 @pytest.mark.parametrize("script", SCRIPTS_ON_TOP)

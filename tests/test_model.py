@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import cached
 import model
 from cli import device_from
-from checks import load_checkpoint, parameter_count, save_checkpoint
+from checkpoint import load_checkpoint, parameter_count, save_checkpoint
 from model import GPT, Config, check_finite
 from conftest import PART3_CONFIG, assert_refused, part3_state_dict, run_main
 
@@ -124,7 +124,7 @@ def test_generate_reruns_the_last_context_tokens_for_every_new_token():
         expected = reference_forward(sd, cfg, idx[:, -8:])[:, -1]
         torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
     assert torch.equal(out[:, 3:], torch.stack([l.argmax(-1) for l, _ in seen], dim=1))
-    with pytest.raises(ValueError, match="exceed the context"):
+    with pytest.raises(AssertionError, match="more tokens than the context"):
         model(torch.zeros(1, 9, dtype=torch.long))
 
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from cached import LayerCache
 import prefill_clone
 from conftest import PROMPT, SMALL, assert_refused, run_main, small
 from model import GPT, Config
@@ -132,18 +131,33 @@ def test_a_stop_string_completes_a_row():
     assert len(stopped) <= 4 and tokenizer.decode(stopped).endswith(text[-2:])
 
 
-def test_ring_past_the_window_gives_cached_py_logits_for_600_steps(ring=KVCache, known_pos=True):
+class TrimFirst:
+    """The ring's semantics past the window, written plainly: concatenate, keep the last `context`, attend to those."""
+
+    def __init__(self, context):
+        self.context, self.k, self.v = context, None, None
+
+    def update(self, k, v, start):
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k[:, :, -self.context:], v[:, :, -self.context:]
+        return self.k, self.v
+
+
+def test_ring_past_the_window_gives_a_trim_first_caches_logits_for_600_steps(ring=KVCache, as_rows=None):
+    """as_rows: the model as engines/ runs a ring whose rows are at a (B,) tensor of positions."""
     model = small()
     feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
     ring = ring.for_model(model, 2, SMALL.context)
+    ring_model = model if as_rows is None else as_rows(model)
     with torch.inference_mode():
-        logits_ring = model.step(feed[:, :10], ring, 0)
-    caches = [LayerCache(SMALL.context) for _ in model.blocks]
+        logits_ring = ring_model.step(feed[:, :10], ring, 0)
+    caches = [TrimFirst(SMALL.context) for _ in model.blocks]
     with torch.inference_mode():
         logits_rolling = model.step(feed[:, :10], caches, 0)
         for t in range(10, 600):
             torch.testing.assert_close(logits_ring, logits_rolling, atol=1e-4, rtol=1e-4)
-            logits_ring = model.step(feed[:, t:t + 1], ring, t if known_pos else ring.cache_seqlens.long())
+            logits_ring = ring_model.step(feed[:, t:t + 1], ring, t if as_rows is None else ring.cache_seqlens.long())
             logits_rolling = model.step(feed[:, t:t + 1], caches, t)
     assert ring.k.shape[2] == SMALL.context and ring.get_pos() == 600
 
@@ -232,14 +246,14 @@ def test_a_ring_shorter_than_the_context_refuses_to_wrap():
     (["--temperature", "1e-38"], "temperature must be 0 (greedy) or at least 0.0001"),
     (["--top-p", "nan"], "top_p must be a finite number"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--seed", "-1"], "--seed must be in 0.."),
-    (["--seed", str(2**64)], "--seed must be in 0.."),
+    (["--seed", "-1"], "--seed -1 is outside the seeds 0.."),
+    (["--seed", str(2**64)], f"--seed {2**64} is outside the seeds 0.."),
     (["-n", "100000"], "GiB, more than half of this machine"),
     (["-n", "100000000"], "GiB, more than half of this machine"),
-    (["-n", "0"], "-n must be at least 1, got 0"),
+    (["-n", "0"], "-n must be a whole number >= 1, got 0"),
     (["--tokens", str(10**11)], "(the tokens they keep) needs "),
-    (["-n", "-2"], "-n must be at least 1, got -2"),
-    (["--tokens", "-1"], "--tokens must be at least 1, got -1"),
+    (["-n", "-2"], "-n must be a whole number >= 1, got -2"),
+    (["--tokens", "-1"], "--tokens must be a whole number >= 1, got -1"),
     (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
 ])
 def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, monkeypatch, capsys):

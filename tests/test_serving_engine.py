@@ -18,7 +18,8 @@ from conftest import COMPILED, COMPILED_ROWS, TOKENIZER, assert_refused, compile
 from errors import BadValue
 from engines.blocks import PrefixCache, blocks_for_bytes, digests_of
 from engines.decode_step import GraphCache
-from engines.row_cache import prompt_step, with_masked_attention
+from engines.row_cache import prompt_step
+from engines.rope import RowAttention, with_row_attention
 from engines.serving import Event, Request, ServingEngine
 from engines.serving_text import TextStream
 from prefill_clone import Engine, KVCache
@@ -419,12 +420,12 @@ def test_an_engine_of_a_shape_that_cannot_be_is_refused(settings, message):
         ServingEngine(MODEL, TOK, **settings)
 
 
-class MaskDropped(CachedAttention):
-    """The chunks' attention without their mask, is_causal alone: what SDPA computed before torch 2.14 when
-    handed both (2.14 refuses both)."""
+class MaskDropped(RowAttention):
+    """The chunks' attention without their mask, is_causal=T > 1 alone: what SDPA computed before torch 2.14
+    when handed both (2.14 refuses both)."""
 
     def attend(self, q, k, v, is_causal, attn_mask=None):
-        return super().attend(q, k, v, is_causal)
+        return super().attend(q, k, v, q.shape[2] > 1)
 
 
 def test_prompt_chunks_after_cached_positions_compute_what_one_prefill_does_and_need_their_mask():
@@ -441,9 +442,9 @@ def test_prompt_chunks_after_cached_positions_compute_what_one_prefill_does_and_
         with torch.inference_mode():
             prompt_step(model, rows, [(row, p[:cut], 0) for row, (p, cut) in enumerate(zip(prompts, cuts))])
             return prompt_step(model, rows, [(row, p[cut:], cut) for row, (p, cut) in enumerate(zip(prompts, cuts))])
-    masked = with_masked_attention(MODEL)
+    masked = with_row_attention(MODEL)
     assert torch.allclose(chunked(masked), want, atol=1e-3 * want.abs().max().item())
-    dropped = with_masked_attention(MODEL)
+    dropped = with_row_attention(MODEL)
     for block in dropped.blocks:
         block.attn.__class__ = MaskDropped
     assert not torch.allclose(chunked(dropped), want, atol=1e-1 * want.abs().max().item())

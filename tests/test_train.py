@@ -15,7 +15,7 @@ import torch
 import train as train_module
 from bpe import BPE
 from files import check_output
-from checks import load_checkpoint
+from checkpoint import load_checkpoint
 from model import GPT
 from conftest import (CORPUS, INPUTS, ROOT, RUN_FILES, TINY, TOKENIZER, assert_refused, copy_run, in_process, run_main,
                       sha256, small_and_fast, special_input, train)

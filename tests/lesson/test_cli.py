@@ -27,8 +27,8 @@ from bpe import BPE
 from cli import run_cli, show_progress
 from files import atomic_write, check_input, check_output
 from errors import BadPath, BadValue
-from conftest import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, exit_status, run_main, small_and_fast,
-                      train)
+from helpers import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, exit_status, run_main,
+                     small_and_fast, train)
 
 
 
@@ -37,7 +37,7 @@ def sha(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def test_atomic_write_never_writes_through_a_link_or_a_file_named_like_the_old_temporary(tmp_path):
+def test_atomic_write_never_writes_through_a_link_or_an_old_temporarys_name(tmp_path):
     victim, linked = tmp_path / "victim.txt", tmp_path / "linked.txt"
     victim.write_text("a user's notes")
     linked.write_text("what the link points at")
@@ -221,7 +221,7 @@ def test_a_full_or_closed_stdout_ends_without_exception_ignored(script, stdout):
         assert (proc.returncode, err) == (-signal.SIGPIPE, "")
 
 
-def test_run_cli_says_bad_input_in_one_line_and_lets_any_other_error_keep_its_traceback(monkeypatch):
+def test_run_cli_says_bad_input_in_one_line_and_a_bug_keeps_its_traceback(monkeypatch):
     def refusing():
         raise BadValue("--tokens must be at least 1, got 0")
 
@@ -237,7 +237,7 @@ def test_no_exception_hook_is_installed_by_importing_the_edge():
 
 
 @pytest.mark.parametrize("command, name", [("model.py", "model.py"), ("cached.py --help", "cached.py"),
-                                           ("-m engines.fast_engine --help", "fast_engine.py")])
+                                           ("prefill_clone.py --help", "prefill_clone.py")])
 def test_a_script_started_with_standard_output_closed_says_so_in_one_line(command, name):
     """A new interpreter: a standard output closed before it starts (>&-) is the subject."""
     run = subprocess.run(f"{sys.executable} {command} >&-", shell=True, cwd=ROOT, capture_output=True, text=True)
@@ -331,7 +331,7 @@ def test_cached_py_logs_a_plain_progress_line_every_ten_seconds_at_most(monkeypa
     assert len(lines) <= (clock.now - started) / cli.LOG_EVERY and "\r" not in log.getvalue()
 
 
-# Nothing lost, for every script that writes a file: bpe.py, train.py, bench.py (export.py: tests/test_export.py)
+# Nothing lost, for every script that writes a file: bpe.py, train.py, bench.py (export.py: tests/engines/test_export.py)
 
 def state(path):
     """What stands at `path`, to compare before and after: a link and where it points, a pipe, a file's bytes."""

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import prefill_clone
-from conftest import PROMPT, SMALL, assert_refused, run_main, small
+from helpers import (PROMPT, SMALL, assert_refused, ring_gives_a_trim_first_caches_logits_for_600_steps, run_main,
+                     small)
 from model import GPT, Config
 from checks import cache_bytes
 from prefill_clone import Engine, KVCache, run_prompt
@@ -47,7 +48,7 @@ def test_prefill_asserts_an_empty_cache_and_a_source_batch_of_1_or_equal():
         many.prefill(one)
 
 
-def test_every_linear_and_layernorm_runs_on_every_decode_step_and_the_head_once_per_token():
+def test_every_layer_runs_each_decode_step_and_the_head_once_a_token():
     model = small()
     calls = {}
     modules = {name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm))}
@@ -75,7 +76,7 @@ KNOB_SETS = [dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9),
 
 @pytest.mark.parametrize("knobs", KNOB_SETS, ids=["top-k", "top-p", "all four"])
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_row_i_of_n_samples_what_cached_py_samples_with_a_generator_seeded_seed_plus_i(n, knobs):
+def test_row_i_samples_what_cached_py_does_with_seed_plus_i(n, knobs):
     model = small()
     rows, _ = Engine(model).generate_batch(PROMPT, n, max_tokens=20, seed=100, **knobs)
     for i in range(n):
@@ -131,35 +132,8 @@ def test_a_stop_string_completes_a_row():
     assert len(stopped) <= 4 and tokenizer.decode(stopped).endswith(text[-2:])
 
 
-class TrimFirst:
-    """The ring's semantics past the window, written plainly: concatenate, keep the last `context`, attend to those."""
-
-    def __init__(self, context):
-        self.context, self.k, self.v = context, None, None
-
-    def update(self, k, v, start):
-        if self.k is not None:
-            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
-        self.k, self.v = k[:, :, -self.context:], v[:, :, -self.context:]
-        return self.k, self.v
-
-
-def test_ring_past_the_window_gives_a_trim_first_caches_logits_for_600_steps(ring=KVCache, as_rows=None):
-    """as_rows: the model as engines/ runs a ring whose rows are at a (B,) tensor of positions."""
-    model = small()
-    feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
-    ring = ring.for_model(model, 2, SMALL.context)
-    ring_model = model if as_rows is None else as_rows(model)
-    with torch.inference_mode():
-        logits_ring = ring_model.step(feed[:, :10], ring, 0)
-    caches = [TrimFirst(SMALL.context) for _ in model.blocks]
-    with torch.inference_mode():
-        logits_rolling = model.step(feed[:, :10], caches, 0)
-        for t in range(10, 600):
-            torch.testing.assert_close(logits_ring, logits_rolling, atol=1e-4, rtol=1e-4)
-            logits_ring = ring_model.step(feed[:, t:t + 1], ring, t if as_rows is None else ring.cache_seqlens.long())
-            logits_rolling = model.step(feed[:, t:t + 1], caches, t)
-    assert ring.k.shape[2] == SMALL.context and ring.get_pos() == 600
+def test_ring_past_the_window_gives_a_trim_first_caches_logits_for_600_steps():
+    ring_gives_a_trim_first_caches_logits_for_600_steps(KVCache)
 
 
 def test_gqa_cached_equals_uncached_and_the_cache_shrinks():

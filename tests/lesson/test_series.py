@@ -13,7 +13,7 @@ import model as model_py
 from bpe import BPE
 from cached import CachedGPT, Config, load
 from checkpoint import load_checkpoint
-from conftest import SMALL
+from helpers import SMALL
 from sample_grid import SETTINGS
 from sampling import pick
 
@@ -109,7 +109,7 @@ def test_the_attention_on_a_dict_computes_and_keeps_what_the_posts_forward_does(
     assert mine["k"].shape[2] == SMALL.context
 
 
-def test_a_random_default_model_decodes_a_batch_of_16_the_same_with_and_without_the_cache():
+def test_a_random_model_decodes_16_rows_the_same_with_and_without_cache():
     # Part 4's bench.py: CachedGPT(Config()), an 8-token random prompt, greedy, batch 16.
     torch.manual_seed(0)
     model = CachedGPT(Config()).eval()

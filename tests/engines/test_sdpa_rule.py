@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from bpe import BPE
-from conftest import PROMPT, SMALL, TOKENIZER, compiled_model, small
+from helpers import PROMPT, SMALL, TOKENIZER, small
+from support import compiled_model
 from engines.decode_step import GraphCache
 from engines.fast_engine import FastEngine
 from engines.rope import RowAttention, with_row_attention

@@ -11,23 +11,7 @@ import torch
 
 import bench
 import figures
-from conftest import PROMPT, assert_refused, run_main, small
-
-
-def read_by(keys):
-    """The keys figures.put_bandwidth adds beside each tok/s figure."""
-    return {k + suffix for k in keys for suffix in ("_step_bytes", "_bandwidth_share")}
-
-
-def positive_numbers(node, path="report"):
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from positive_numbers(v, f"{path}.{k}")
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from positive_numbers(v, f"{path}[{i}]")
-    elif isinstance(node, (int, float)) and not isinstance(node, bool):
-        yield path, node
+from helpers import PROMPT, assert_refused, run_main, small
 
 
 @pytest.mark.parametrize("args, message", [

@@ -10,8 +10,8 @@ import cached
 from bpe import BPE
 from cached import CachedGPT, exact_tokens, load
 from checkpoint import save_checkpoint
-from conftest import (PART3_CONFIG, ROOT, SMALL, assert_refused, exit_status, keys_attended, part3_state_dict, prompts,
-                      run_main)
+from helpers import (PART3_CONFIG, ROOT, SMALL, assert_refused, one_line_exit, keys_attended, part3_state_dict,
+                     prompts, run_main)
 from model import GPT, Config, rope_at
 from prefill_clone import KVCache
 
@@ -129,14 +129,14 @@ def test_each_gotcha_prints_the_drift_the_docs_show(name, monkeypatch, capsys):
 
 
 def test_bad_counts_and_names_are_refused(monkeypatch):
-    assert one_line_exit(monkeypatch, "cached.py", "--break", "cache").startswith(
+    assert one_line_exit(cached.main, monkeypatch, "cached.py", "--break", "cache").startswith(
         "cached.py: error: argument --break: invalid choice: 'cache' (choose from ")
-    assert "prompt is empty" in one_line_exit(monkeypatch, "cached.py", "--prompt", "")
-    assert "unknown device 'tpu'" in one_line_exit(monkeypatch, "cached.py", "--device", "tpu")
+    assert "prompt is empty" in one_line_exit(cached.main, monkeypatch, "cached.py", "--prompt", "")
+    assert "unknown device 'tpu'" in one_line_exit(cached.main, monkeypatch, "cached.py", "--device", "tpu")
     if not torch.cuda.is_available():
-        assert "no CUDA GPU" in one_line_exit(monkeypatch, "cached.py", "--device", "cuda")
-    assert "--tokens must be a whole number >= 0, got -5" in one_line_exit(monkeypatch, "cached.py", "--tokens", "-5")
-    assert "(the tokens they keep) needs " in one_line_exit(monkeypatch, "cached.py", "--tokens", str(10**11))
+        assert "no CUDA GPU" in one_line_exit(cached.main, monkeypatch, "cached.py", "--device", "cuda")
+    assert "--tokens must be a whole number >= 0, got -5" in one_line_exit(cached.main, monkeypatch, "cached.py", "--tokens", "-5")
+    assert "(the tokens they keep) needs " in one_line_exit(cached.main, monkeypatch, "cached.py", "--tokens", str(10**11))
 
 
 def test_cli_states_the_real_count_for_a_prompt_longer_than_the_context(tmp_path, random_model, monkeypatch,
@@ -186,14 +186,7 @@ def hostile_checkpoint(path, kind):
 ])
 def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message, monkeypatch):
     hostile_checkpoint(tmp_path / "h.pt", kind)
-    assert message in one_line_exit(monkeypatch, "cached.py", str(tmp_path / "h.pt"))
-
-
-def one_line_exit(monkeypatch, *argv):
-    """Run cached.py's main in this process; the one-line message it exits with (status 1)."""
-    status, message = exit_status(cached.main, argv, monkeypatch)
-    assert status == 1 and len(message.splitlines()) == 1 and message.startswith("cached.py: error: "), message
-    return message.rstrip("\n")
+    assert message in one_line_exit(cached.main, monkeypatch, "cached.py", str(tmp_path / "h.pt"))
 
 
 @pytest.mark.parametrize("content, message", [
@@ -204,7 +197,7 @@ def one_line_exit(monkeypatch, *argv):
 ])
 def test_hostile_tokenizer_files_get_one_line_and_exit_1(tmp_path, content, message, monkeypatch):
     (tmp_path / "t.json").write_text(content)
-    assert message in one_line_exit(monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "t.json"))
+    assert message in one_line_exit(cached.main, monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "t.json"))
 
 
 def overflowing_checkpoint(path):
@@ -218,7 +211,7 @@ def overflowing_checkpoint(path):
 
 def test_scores_that_overflow_stop_the_cached_loop_at_the_first_token(tmp_path, monkeypatch):
     overflowing_checkpoint(tmp_path / "o.pt")
-    message = one_line_exit(monkeypatch, "cached.py", str(tmp_path / "o.pt"))
+    message = one_line_exit(cached.main, monkeypatch, "cached.py", str(tmp_path / "o.pt"))
     assert "scores for new token 0 are NaN or infinite" in message
 
 
@@ -234,7 +227,7 @@ def test_a_tokenizer_other_than_the_recorded_one_is_refused_even_at_the_same_siz
     merges = json.load(open("tokenizer.json"))["merges"]
     merges[-1] = [32, 32] if merges[-1] != [32, 32] else [33, 33]
     (tmp_path / "other.json").write_text(json.dumps({"merges": merges}))
-    message = one_line_exit(monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "other.json"))
+    message = one_line_exit(cached.main, monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "other.json"))
     assert "other.json is not the tokenizer holmes.pt was trained with" in message
 
 
@@ -257,4 +250,4 @@ def test_the_shipped_checkpoint_records_the_shipped_tokenizer(shipped):
     (lambda d: d, "is a folder; give a file"),
 ])
 def test_a_checkpoint_that_would_block_or_never_end_is_refused_without_reading_it(tmp_path, monkeypatch, make, message):
-    assert message in one_line_exit(monkeypatch, "cached.py", str(make(tmp_path)))
+    assert message in one_line_exit(cached.main, monkeypatch, "cached.py", str(make(tmp_path)))

@@ -9,7 +9,7 @@ import sampling
 from checks import check_knobs
 from errors import BadValue
 from sampling import pick
-from conftest import assert_refused, run_main
+from helpers import assert_refused, run_main
 
 G = torch.Generator
 

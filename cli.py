@@ -23,7 +23,7 @@ class Parser(argparse.ArgumentParser):
         sys.exit(f"{self.prog}: error: {message} (see --help)")
 
 
-STDOUT_FAILURES = (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)  # a full disk, a gone device, limits
+STDOUT_FAILURES = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)  # a gone reader, a full disk
 
 
 def interrupted(signum, frame):
@@ -32,12 +32,12 @@ def interrupted(signum, frame):
 
 def run_cli(main):
     """Run a script's main; bad input (a BadInput) becomes one line on stderr and exit status 1, any other
-    exception, a bug, keeps its traceback. A reader that went away (`| head`) ends the run by SIGPIPE, as
-    any tool's; SIGTERM unwinds like Ctrl-C, so every atomic_write in progress removes its temporary file."""
+    exception, a bug, keeps its traceback. SIGTERM unwinds like Ctrl-C, so every atomic_write in progress
+    removes its temporary file. (SIGPIPE stays ignored, as Python sets it: at its default, a client gone
+    from serve.py's socket would end the server.)"""
     name = os.path.basename(sys.argv[0])
     if sys.stdout is None:  # started with standard output closed (>&-): every print would vanish
         sys.exit(f"{name}: error: cannot write to standard output: it is closed; give it a place (> FILE, or a terminal)")
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, interrupted)
     try:
         try:
@@ -57,6 +57,8 @@ def run_cli(main):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except (OSError, ValueError):  # a stdout with no descriptor (a test's capture)
             pass
+        if e.errno == errno.EPIPE:  # a reader that went away (| head): silent, the status a shell gives SIGPIPE
+            sys.exit(141)
         sys.exit(f"{name}: error: cannot write to standard output: {e.strerror or e}")
     except (MemoryError, RuntimeError) as e:
         # under a process memory limit torch's allocator raises RuntimeError, not MemoryError

@@ -64,18 +64,17 @@ import time
 from bisect import bisect_left
 from functools import partial
 
-from cli import Parser, device_from, run_cli
-from files import atomic_write, check_output
-from errors import BadValue
-
 import torch
 
-from cached import CachedGPT, LayerCache
+from cached import CachedGPT
+from cli import Parser, device_from, run_cli
+from errors import BadValue
+from figures import (PROMPT, bytes_per_step, machine, put_bandwidth, read_bandwidth,
+                     untrained_model)
+from files import atomic_write, check_output
 from model import Config
 from prefill_clone import Engine, clone_prompt, run_prompt
-from timing import (PROMPT, bytes_per_step, half_range, machine, median, put_bandwidth, read_bandwidth, sync,
-                    timed_generation, timings, untrained_model)
-
+from timing import half_range, median, sync, timed_generation, timings
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), prompts=(64, 256), clones=(1, 4, 8, 16), clone_tokens=60,
             steps=50, drift=256, compiled_ways=True)
@@ -141,16 +140,16 @@ class DecodeAt:
 
     def __init__(self, model, text, kept):
         self.model, self.token = model, text[:, kept:kept + 1]
-        self.caches = [LayerCache(model.cfg.context) for _ in model.blocks]
+        self.caches = [{} for _ in model.blocks]
         with torch.no_grad():
             model.step(text[:, :kept], self.caches, 0)
-        self.kept = [(cache.k, cache.v) for cache in self.caches]
+        self.kept = [dict(cache) for cache in self.caches]
         self.position = kept
 
     @torch.no_grad()
     def __call__(self):
-        for cache, (k, v) in zip(self.caches, self.kept):
-            cache.k, cache.v = k, v
+        for cache, kept in zip(self.caches, self.kept):
+            cache.update(kept)
         self.model.step(self.token, self.caches, self.position)
         self.position += 1
 
@@ -158,9 +157,9 @@ class DecodeAt:
 @torch.no_grad()
 def window_bytes(model, device):
     """The bytes of cached.py's cache once a batch-1 prompt has filled the window."""
-    caches = [LayerCache(model.cfg.context) for _ in model.blocks]
+    caches = [{} for _ in model.blocks]
     model.step(torch.zeros(1, model.cfg.context, dtype=torch.long, device=device), caches, 0)
-    return sum(cache.k.nbytes + cache.v.nbytes for cache in caches)
+    return sum(cache["k"].nbytes + cache["v"].nbytes for cache in caches)
 
 
 def put_speed(row, key, seconds):

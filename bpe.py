@@ -18,9 +18,10 @@ from collections import Counter
 
 import regex
 
+from checks import utf8_bytes
 from cli import Parser, as_id, run_cli, show_progress
-from files import atomic_write, check_input, check_output, shown
 from errors import BadValue
+from files import atomic_write, check_input, check_output, shown
 
 MAX_MERGES = 65536 - 256  # ids must fit uint16, as Part 3's training stores them
 MAX_TOKEN_BYTES = 4096  # far above any real merge list; stops a file that would build gigabyte tokens
@@ -32,16 +33,6 @@ CACHE_ENTRIES = 2**16  # the Holmes canon has 29k distinct chunks; a hostile tex
 SPLIT_PATTERN = regex.compile(
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
-
-
-def utf8_bytes(text):
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadValue(
-            f"text cannot be UTF-8 encoded ({e.reason} at index {e.start}); "
-            "remove lone surrogates before tokenizing"
-        ) from None
 
 
 def read_corpus(path, hint=""):

@@ -1,57 +1,19 @@
-"""What every script shares at its command line: a checked start, one-line errors, a progress line.
-
-Not part of the model: cached.py and the rest import it so that what would stop a
-script before its main is said in one line (check_start), bad input (errors.BadInput)
-ends as one line on stderr and exit status 1 (run_cli), arguments are checked
-once, and long work shows how far it is without flooding a log. Files at the
-edge, inputs and outputs that never lose anything, are files.py's.
-"""
+"""What every script shares at its command line: one-line errors (run_cli), checked arguments, a progress line."""
 import argparse
 import errno
-import importlib.util
 import operator
 import os
 import signal
 import sys
 import time
 
+import torch
+
 from errors import BadInput, BadValue
 
 
 def first_line(error):
     return next((line.strip() for line in str(error).splitlines() if line.strip()), "no reason given")
-
-
-def refuse_to_start(reason):
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-    sys.exit(f"{name}: error: {reason}")
-
-
-def check_start():
-    """What would stop a script before its main, said in one line: a working folder that is gone, standard
-    output closed, a package of requirements.txt that is missing, a TORCH_LOGS torch does not know. Run once, by importing this module,
-    which every script does before torch (and before any module of this repo, each of which may import it)."""
-    try:
-        os.getcwd()
-    except FileNotFoundError:
-        refuse_to_start("the working folder no longer exists; cd into one that does and run again")
-    if sys.stdout is None:  # started with standard output closed (>&-): every print would vanish
-        refuse_to_start("cannot write to standard output: it is closed; give it a place (> FILE, or a terminal)")
-    for module in ("torch", "regex", "numpy"):
-        if importlib.util.find_spec(module) is None:
-            refuse_to_start(f"cannot import {module}; pip install -r requirements.txt")
-    try:
-        import torch  # noqa: F401  here, so that its refusal of a setting is one line
-    except ValueError as e:
-        if "TORCH_LOGS" not in str(e):
-            raise
-        refuse_to_start(f"TORCH_LOGS={os.environ.get('TORCH_LOGS', '')!r} is not a setting torch knows; "
-                        "unset it, or see TORCH_LOGS=help")
-
-
-check_start()
-
-import torch  # noqa: E402  checked by check_start
 
 
 class Parser(argparse.ArgumentParser):
@@ -61,88 +23,48 @@ class Parser(argparse.ArgumentParser):
         sys.exit(f"{self.prog}: error: {message} (see --help)")
 
 
+STDOUT_FAILURES = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)  # a gone reader, a full disk
+
+
 def interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
-class WatchedStdout:
-    """sys.stdout as it was, keeping the OSError a write or flush raised: a print that fails is then
-    said as standard output's failure, not as a bare errno."""
-
-    failed = None
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        try:
-            return self.stream.write(text)
-        except OSError as e:
-            self.failed = e
-            raise
-
-    def flush(self):
-        try:
-            self.stream.flush()
-        except OSError as e:
-            self.failed = e
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
 def run_cli(main):
-    """Run a script's main; bad input (a BadInput) becomes one line on stderr and exit status 1, and any
-    other exception, a bug, keeps its traceback.
-
-    SIGTERM is turned into KeyboardInterrupt, so a killed run unwinds like Ctrl-C: every
-    atomic_write in progress removes its temporary file on the way out. Standard output is
-    flushed before the end (stdout_failed says how a failed write to it ends).
-    """
+    """Run a script's main; bad input (a BadInput) becomes one line on stderr and exit status 1, any other
+    exception, a bug, keeps its traceback. SIGTERM unwinds like Ctrl-C, so every atomic_write in progress
+    removes its temporary file. (SIGPIPE stays ignored, as Python sets it: at its default, a client gone
+    from serve.py's socket would end the server.)"""
     name = os.path.basename(sys.argv[0])
+    if sys.stdout is None:  # started with standard output closed (>&-): every print would vanish
+        sys.exit(f"{name}: error: cannot write to standard output: it is closed; give it a place (> FILE, or a terminal)")
     signal.signal(signal.SIGTERM, interrupted)
-    stdout = sys.stdout = WatchedStdout(sys.stdout)
     try:
         try:
             main()
         finally:
-            if sys.stdout is stdout:
-                sys.stdout = stdout.stream
-        stdout.flush()
+            sys.stdout.flush()  # what main printed, before its end is said
     except KeyboardInterrupt:
         print(file=sys.stderr)
         sys.exit(f"{name}: interrupted; nothing half-written was left behind")
     except BadInput as e:
         sys.exit(f"{name}: error: {e}")
     except OSError as e:
-        if e is not stdout.failed:
+        # a write failure without a file name: standard output's (a file of main's fails as a BadPath)
+        if e.filename is not None or e.errno not in STDOUT_FAILURES:
             raise
-        stdout_failed(name, e)
+        try:  # standard output points at the null device from here, so the flush at exit cannot complain again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout with no descriptor (a test's capture)
+            pass
+        if e.errno == errno.EPIPE:  # a reader that went away (| head): silent, the status a shell gives SIGPIPE
+            sys.exit(141)
+        sys.exit(f"{name}: error: cannot write to standard output: {e.strerror or e}")
     except (MemoryError, RuntimeError) as e:
         # under a process memory limit torch's allocator raises RuntimeError, not MemoryError
         if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("allocate", "out of memory")):
             raise
         sys.exit(f"{name}: error: out of memory; ask for fewer rows or tokens, or a smaller model")
-    except SystemExit:  # --help, or a script's own exit: what it printed must still reach the reader
-        try:
-            stdout.flush()
-        except OSError as e:
-            stdout_failed(name, e)
-        raise
-
-
-def stdout_failed(name, error):
-    """A reader that went away (`| head`, a closed pipe) ends the run silently with status 141, what a
-    shell reports for a tool SIGPIPE ended; a full disk or another write error is one line. Either way
-    standard output then points at the null device, so the flush at exit cannot complain again."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # a stdout with no descriptor (a test's capture)
-        pass
-    if error.errno == errno.EPIPE:
-        sys.exit(141)
-    sys.exit(f"{name}: error: cannot write to standard output: {error.strerror or error}")
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int8")  # what --dtype may say; engines/fast_engine.py runs each
@@ -158,9 +80,11 @@ def add_speed_flags(ap):
                     help="weights and cache (float16: CUDA; int8: the weights only, one scale per output channel)")
 
 
-def check_count(name, n):
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise BadValue(f"{name} must be a whole number >= 0, got {n!r}")
+def check_count(name, n, least=0):
+    """n, a whole number (not a bool) >= least."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < least:
+        raise BadValue(f"{name} must be a whole number >= {least}, got {n!r}")
+    return n
 
 
 def check_least(name, value, least):
@@ -195,8 +119,7 @@ def device_from(name):
 
 
 def free_memory(device):
-    """Bytes this process may still allocate on `device`: the GPU's free memory, or the memory the system
-    says is available (Linux's MemAvailable, else free pages); None where the system does not say."""
+    """Bytes `device` may still give: the GPU's free memory, or Linux's MemAvailable (None elsewhere)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -204,10 +127,6 @@ def free_memory(device):
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # native Windows has no sysconf
         return None
 
 
@@ -217,7 +136,7 @@ def check_fits(nbytes, what, device):
     if have is not None and nbytes > have // 2:
         kind = "GPU memory" if torch.device(device).type == "cuda" else "memory"
         raise BadValue(f"{what} needs {nbytes / 2**30:.1f} GiB, more than half of this machine's "
-                         f"{have / 2**30:.1f} GiB of available {kind}; ask for fewer rows or tokens")
+                       f"{have / 2**30:.1f} GiB of available {kind}; ask for fewer rows or tokens")
 
 
 PROGRESS = {"started": None, "shown": 0.0, "drawn": False}
@@ -227,12 +146,8 @@ LOG_EVERY = 10.0  # a plain line in a log file or pipe, at most this often
 
 
 def show_progress(label, done, total, started, note=""):
-    """How far `done` of `total` is, with an ETA, on stderr: one function for every script.
-
-    In a terminal, one line that updates a few times a second and is cleared once
-    done == total. In a file or a pipe (a CI log, docker logs), a plain line every
-    LOG_EVERY seconds. Work shorter than QUIET_FOR seconds shows nothing.
-    """
+    """How far `done` of `total` is, with an ETA, on stderr: in a terminal one line redrawn a few times a
+    second and cleared at the end, in a file or a pipe a plain line every LOG_EVERY seconds."""
     now, state = time.time(), PROGRESS
     if state["started"] != started:
         state.update(started=started, shown=started, drawn=False)

@@ -1,16 +1,13 @@
 """The refusals: what bad input raises, so that cli.run_cli says it in one line and exits 1.
 
-Each kind is also the standard exception for it (a BadValue is a ValueError,
-a NotFound a FileNotFoundError), so a caller may catch those as usual. Any
+Each kind is also the standard exception for it (a BadValue is a ValueError, a
+NotFound a FileNotFoundError), so a caller may catch those as usual. Any
 exception that is not a BadInput is a bug, and keeps its traceback.
 """
 
 
 class BadInput(Exception):
-    """What a user gave (an argument, a file, a request) that this repo cannot honour, said in words that name
-    it and what would do instead: run_cli prints it as one line and exits 1. Each kind is also the standard
-    exception for it, so a caller may catch ValueError or OSError as usual. Any exception that is not a
-    BadInput is a bug, and keeps its traceback."""
+    """What a user gave (an argument, a file, a request) that this repo cannot honour, in words naming it."""
 
 
 class BadValue(BadInput, ValueError):
@@ -34,5 +31,4 @@ class EngineFailed(BadInput, ChildProcessError):
 
 
 class CompileFailed(BadInput, RuntimeError):
-    """A compile that failed inside torch's compiler (its C++ build, its autotuner): the way is named, and what
-    to do instead."""
+    """A compile that failed inside torch's compiler: the way is named, and what to do instead."""

@@ -1,9 +1,8 @@
 """Files at the edge: an input is a bounded regular file, and an output never loses anything.
 
-An existing file is never replaced unless told (--force, --resume); only regular
-files ever are; what stands at an output is judged again when the finished file
-is put in place; every write goes through a new temporary file beside the
-target, renamed into place, so a cut write leaves the old file whole.
+Only regular files are ever replaced, and only when told (--force, --resume),
+judged again when the finished file is put in place; every write goes through a
+new temporary file beside the target, renamed into place (atomic_write).
 """
 import errno
 import io
@@ -60,13 +59,10 @@ def check_replaceable(path):
 
 
 def check_output(path, force=False, flag="--force", inputs=()):
-    """Before any long work: `path` can be written, and replaces nothing unless told.
-
-    Refuses, whatever the flags, an empty path, a folder, a device or a pipe, a file that is one
-    of the script's own `inputs`, and a missing or unwritable folder (tried by creating and
-    removing a temporary file there, which is the only test that also holds for root and
-    read-only mounts); and an existing file without `flag`.
-    """
+    """Before any long work: `path` can be written, and replaces nothing unless told (`flag`). Whatever the
+    flags, refuses an empty path, a folder, a device or a pipe, one of the script's own `inputs`, and a
+    missing or unwritable folder (tried by making atomic_write's temporary file there, the one test that
+    also holds for root and read-only mounts)."""
     path = os.fspath(path)
     if not path:
         raise BadValue("the output path is empty; give a file name")
@@ -91,61 +87,34 @@ def check_output(path, force=False, flag="--force", inputs=()):
 
 
 def temporary_beside(path):
-    """A new, private, empty file beside `path` (O_EXCL: never through an existing file or a link), for a
-    write to be renamed into place. check_output makes one too, so what it accepts, the write can do."""
+    """A new, private, empty file beside `path` (O_EXCL), for a write to be renamed into place."""
     folder = os.path.dirname(os.path.abspath(path))
     # a part of the name, not all of it: a name near the folder's limit must leave room for the marks
     return tempfile.mkstemp(prefix=f".{os.path.basename(path)[:40]}.", suffix=".tmp", dir=folder)
 
 
-NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}  # link(2) on FAT and some FUSE mounts
-
-
 def place(done, path, force):
-    """Rename the finished file `done` to `path`, judging what stands there at that moment.
-
-    With force, only what check_replaceable allows is replaced. Without, nothing is: a hard link
-    made at `path` fails if anything appeared there while the work ran (where the filesystem has
-    no hard links, the name is taken with O_EXCL first and only that empty file is replaced).
-    """
+    """Rename the finished file `done` to `path`, judging what stands there at that moment: with force,
+    what check_replaceable allows is replaced; without, the name is taken with O_EXCL first, which fails
+    if anything appeared there while the work ran."""
     if force:
         check_replaceable(path)
-        os.replace(done, path)
-        return
-    try:
-        os.link(done, path, follow_symlinks=False)
-    except FileExistsError:
-        raise Appeared(appeared(path)) from None
-    except OSError as e:
-        if e.errno not in NO_HARD_LINKS:
-            raise
+    else:
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         except FileExistsError:
             raise Appeared(appeared(path)) from None
-        try:
-            os.replace(done, path)
-        except BaseException:
+    try:
+        os.replace(done, path)
+    except BaseException:
+        if not force:
             os.unlink(path)
-            raise
-        return
-    os.unlink(done)
+        raise
 
 
 def appeared(path):
     return (f"{shown(path)} appeared while this ran and is left as it was; nothing was written there "
             "(pass --force to replace it, or give another name)")
-
-
-WRITE_FAILURES = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-
-
-def write_failure(error):
-    """Why a write failed, where `error` says: a full disk, ulimit -f or a quota; else None. Writers
-    in Rust or C++ (safetensors, ctranslate2) pass the system's reason on only as text."""
-    if isinstance(error, OSError) and error.errno in WRITE_FAILURES:
-        return error.strerror
-    return next((os.strerror(code) for code in WRITE_FAILURES if os.strerror(code) in str(error)), None)
 
 
 class WriteFailures(io.FileIO):
@@ -164,14 +133,9 @@ class WriteFailures(io.FileIO):
 
 @contextmanager
 def atomic_write(path, mode="wb", force=False, **open_args):
-    """Write `path` (mode "w" or "wb") through a new, unique temporary file beside it, renamed into place.
-
-    The temporary file is created exclusively (O_EXCL: never through an existing file or a
-    link), and removed if the body fails or is interrupted, so a cut write leaves whatever
-    `path` held before. What stands at `path` is judged at the rename (place): without force
-    nothing there is replaced; a link is replaced, never written through. A write that fails
-    (a full disk, ulimit -f) is one OSError naming `path`, whatever the writer made of it.
-    """
+    """Write `path` (mode "w" or "wb") through a new temporary file beside it (O_EXCL: never through a
+    file or a link), removed if the body fails or is interrupted, then put in place (place). A write that
+    fails (a full disk, ulimit -f) is one BadPath naming `path`, whatever the writer made of it."""
     path = os.fspath(path)
     fd, tmp = temporary_beside(path)
     raw = WriteFailures(fd, "wb")

@@ -1,29 +1,23 @@
 """The Part 3 GPT: pre-norm blocks, RoPE attention, a head tied to the embedding.
 
-Module names, state-dict keys, init and checkpoint format are Part 3's, so a
-Part 3 checkpoint loads here with strict=True (checks.load_checkpoint reads
-one), and what this repo writes loads in Part 3's own code. One addition that
-changes nothing unless asked for: Config.n_kv_heads (grouped-query attention;
-default n_heads). The one RoPE, rope_at(x, start), serves Part 3 (start=0)
-and every cached step. Nothing here is about speed: kernels.py applies that
-from outside.
+Module names, state-dict keys, init and checkpoint format are Part 3's, so a Part 3
+checkpoint loads with strict=True and what this repo writes loads in Part 3's code.
+One addition changes nothing unless asked for: Config.n_kv_heads (grouped-query
+attention). The one RoPE, rope_at(x, start), serves Part 3 (start=0) and every
+cached step. Nothing here is about speed: engines/ applies that from outside.
 
-    python model.py
-
-prints the parameter budget and checks that the untrained loss is close to
-ln(vocab_size), as it must be for a model that has learnt nothing yet.
+    python model.py     # the parameter budget; the untrained loss is close to ln(vocab_size)
 """
 import math
 import sys
 from dataclasses import dataclass
-
-from errors import BadValue
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import sampling
+from errors import BadValue
 
 
 @dataclass
@@ -44,21 +38,24 @@ class Config:
         return self.d_model // self.n_heads
 
 
-def rope_at(x, start):
-    """Part 2's RoPE for x (B, heads, T, head_dim), its first row at position `start`, not 0.
+def rope_freqs(head_dim, device=None):
+    """RoPE's angle per position for each channel pair: 10000 ** (-2j / head_dim)."""
+    return 10000 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
 
-    start is an int, or a (B,) tensor of one start per row (a graph-safe decode step, where rows
-    sit at different positions and nothing may be read on the host)."""
-    T, d = x.shape[-2], x.shape[-1]
-    freqs = 10000 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
-    if isinstance(start, int):
-        # Gotcha 1: the angles begin at the token's true position, not at 0
-        angles = torch.arange(start, start + T, dtype=torch.float32, device=x.device)[:, None] * freqs
-    else:
-        angles = (start.view(-1, 1, 1, 1) + torch.arange(T, device=x.device)[:, None]).float() * freqs
+
+def rotate(x, angles):
+    """x (..., T, head_dim) with each channel pair (2j, 2j+1) turned by angles (..., T, head_dim / 2), in float32."""
     cos, sin = angles.cos(), angles.sin()
-    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()  # channel pairs (2j, 2j+1)
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+
+
+def rope_at(x, start):
+    """Part 2's RoPE for x (B, heads, T, head_dim), its first row at position `start`, not 0."""
+    T, freqs = x.shape[-2], rope_freqs(x.shape[-1], x.device)
+    # Gotcha 1: the angles begin at the token's true position, not at 0
+    angles = torch.arange(start, start + T, dtype=torch.float32, device=x.device)[:, None] * freqs
+    return rotate(x, angles)
 
 
 class RoPEAttention(nn.Module):
@@ -74,17 +71,12 @@ class RoPEAttention(nn.Module):
         """q (B, n_heads, T, hd), k and v (B, n_kv_heads, T, hd); nothing rotated yet."""
         B, T, d = x.shape
         q, k, v = self.qkv(x).split([d, self.kv_width, self.kv_width], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return q, k, v
+        return tuple(t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
 
     def attend(self, q, k, v, is_causal, attn_mask=None):
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                           dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
         B, H, T, hd = y.shape
         return self.out(y.transpose(1, 2).reshape(B, T, H * hd))
 
@@ -151,8 +143,7 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx, targets=None):
-        if idx.shape[1] > self.cfg.context:
-            raise BadValue(f"{idx.shape[1]} tokens exceed the context of {self.cfg.context}; crop the input")
+        assert idx.shape[1] <= self.cfg.context, "more tokens than the context: crop the input"
         x = self.emb(idx)
         for block in self.blocks:
             x = block(x)
@@ -163,9 +154,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def generate(self, idx, n_tokens, temperature=0.8, *, pick=None):
-        """Part 3's sampling: each token drawn from softmax(scores / temperature) with torch's global
-        generator, so the same torch.manual_seed gives Part 3's tokens. pick(logits, idx), when given,
-        chooses instead (temperature is then unused), as in generate_uncached."""
+        """Part 3's sampling, from torch's global generator (the same seed gives Part 3's tokens); pick(logits,
+        idx), when given, chooses instead, as in generate_uncached."""
         assert temperature == 0 or 1e-4 <= temperature < math.inf, "temperature is 0 (greedy) or finite, >= 1e-4"
         if pick is None:  # Part 3's draw (and temperature 0 the argmax), from torch's global generator
             pick = lambda logits, idx: sampling.pick(logits, temperature)  # noqa: E731
@@ -187,13 +177,10 @@ def main():
                        "ln(vocab_size). Takes no arguments.").parse_args()
     torch.manual_seed(1337)
     model = GPT()
-    cfg = model.cfg
-    per_block = sum(p.numel() for p in model.blocks[0].parameters())
-    rows = [
-        ("token embedding (tied to the head)", model.emb.weight.numel()),
-        (f"{cfg.n_layers} blocks x {per_block:,}", per_block * cfg.n_layers),
-        ("final LayerNorm", sum(p.numel() for p in model.norm.parameters())),
-    ]
+    cfg, per_block = model.cfg, sum(p.numel() for p in model.blocks[0].parameters())
+    rows = [("token embedding (tied to the head)", model.emb.weight.numel()),
+            (f"{cfg.n_layers} blocks x {per_block:,}", per_block * cfg.n_layers),
+            ("final LayerNorm", sum(p.numel() for p in model.norm.parameters()))]
     for name, n in rows:
         print(f"{name:<36} {n:>10,}")
     total = sum(p.numel() for p in model.parameters())

@@ -1,50 +1,35 @@
 """nanochat's trick: run the prompt once at batch 1, copy its cache into N rows.
 
-KVCache is the second cache behind cached.py's one forward: preallocated once,
-shaped like nanochat's (n_layers, batch, max_len, n_kv_heads, head_dim), each
-step's keys written in place at slot position % max_len, so past the context
-window it is a ring holding exactly the last `context` positions. Engine runs
-the prompt once (run_prompt), clones it into a batch-N cache (KVCache.prefill,
-nanochat's name) and lets every row decode on its own: its own first token
-(not one broadcast to all rows, as in nanochat), its own seeded generator,
-knobs, forced tokens and stop rule. Speed (the fastest matrix multiply
-measured here, a compiled step, bfloat16 or int8) is engines.fast_engine's
-FastEngine, applied from outside (python -m engines.fast_engine --compile);
-this Engine is the lesson.
+KVCache, the second cache behind cached.py's forward, is nanochat's shape
+(n_layers, batch, max_len, n_kv_heads, head_dim), preallocated and written in
+place at slot position % max_len: past the window, a ring of the last `context`
+positions. Engine runs the prompt once, clones it into N rows (KVCache.prefill)
+and lets each row decode on its own: its own first token, seeded generator,
+knobs, forced tokens and stop rule. Speed is engines.fast_engine's, from outside.
 
-    python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0
-
-prints N samples, then the time to the first token and the tokens a second.
-The clone timed against N separate prompt passes: bench.py --tables 2.
+    python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0   # N samples, then their speed
 """
 import operator
 from collections import deque
 from dataclasses import dataclass, field
 
-# first: cli.check_start says in one line what would stop torch from starting
-from cli import Parser, as_id, run_cli
-from errors import BadValue
-
 import torch
 
-from cached import load_pair
 import sampling
-from checks import check_cache, check_knobs, check_request, check_sample_flags, prompt_ids
+from cached import load_pair
+from checks import check_request
+from cli import Parser, as_id, run_cli
+from errors import BadValue
 from model import check_finite
-from timing import timed_generation
-
-DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
-                  "under any other name.")
+from samples import add_sample_flags, sample_knobs, show_samples
 
 
 class KVCache:
     def __init__(self, batch, n_layers, max_len, n_kv_heads, head_dim, context=None, dtype=torch.float32,
                  device="cpu"):
-        # the ring keeps max_len positions and attention reads them all; past the context that would
-        # be keys the model never saw together in training
+        # attention reads every slot of the ring: past the context, keys training never saw together
         assert context is None or max_len <= context, "a cache longer than the context"
-        # k, v: nanochat's shape, as views of head-major storage (heads_k, heads_v): each head's keys
-        # are then one contiguous block, which is what attention reads every step.
+        # k, v: nanochat's shape, as views of head-major storage, where each head's keys are one block
         storage = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.heads_k = torch.zeros(storage, dtype=dtype, device=device)
         self.heads_v = torch.zeros(storage, dtype=dtype, device=device)
@@ -75,9 +60,8 @@ class KVCache:
         return (LayerView(self, i) for i in range(self.k.shape[0]))
 
     def insert_kv(self, layer, k, v, start):
-        """Write k, v (B, n_kv_heads, T, head_dim) at slot position % max_len; return what attention reads:
-        the slots written so far, unmasked (a ring's slot order does not matter: RoPE has already placed
-        each key). T > 1 only for the prompt, into an empty cache."""
+        """Write k, v (B, n_kv_heads, T, head_dim) at slot position % max_len (T > 1: the prompt, into an empty
+        cache); return the slots written so far, in any order: RoPE has already placed each key."""
         keys, values = self.heads_k[layer], self.heads_v[layer]  # (B, H, max_len, hd)
         T, L = k.shape[2], keys.shape[2]
         if T > 1:
@@ -90,7 +74,7 @@ class KVCache:
             keys, values = keys[:, :, :start + 1], values[:, :, :start + 1]
         if layer == self.heads_k.shape[0] - 1:
             self.cache_seqlens += T
-        return keys, values, None
+        return keys, values
 
     def prefill(self, other):
         """Copy a batch-1 (or same-batch) cache into every row of this empty one."""
@@ -138,9 +122,7 @@ class RowState:
 
 
 class Engine:
-    """Generate N rows from one prompt: one run of the prompt (cloned by default), then one decode step per token.
-
-    fill: how the N rows get the prompt (clone_prompt, or bench.prompt_per_row to compare with)."""
+    """N rows from one prompt: the prompt run once and cloned (fill: or bench.prompt_per_row), then a step a token."""
 
     def __init__(self, model, tokenizer=None, fill=clone_prompt):
         self.model, self.tokenizer, self.fill = model, tokenizer, fill
@@ -158,36 +140,27 @@ class Engine:
     def generate(self, tokens, num_samples=1, max_tokens=None, seed=42, stop=None, forced=None, **knobs):
         """Yield (token_column, token_masks) each step: mask 1 sampled, 0 forced, None once a row completed.
 
-        knobs are sampling.pick's, shared by all rows or settings=[{...}, ...] one per row. Row i draws
-        from a generator seeded seed + i (or seed[i]). forced=[[ids], ...] queues tokens a row takes
-        before it samples; self.rows[i].forced_tokens can be appended to between steps. Every argument
-        is checked here, before the first step (checks.check_request).
-        """
-        tokens, seeds, settings, stop_ids, stop_texts, forced = check_request(
-            self, tokens, num_samples, max_tokens, seed, stop, forced, knobs)
+        knobs are sampling.pick's, shared or settings=[{...}, ...] one a row; row i draws with seed + i (or
+        seed[i]); forced=[[ids], ...] queues tokens a row takes first (self.rows[i].forced_tokens, between
+        steps too). Every argument is checked here, before the first step (checks.check_request)."""
+        request = check_request(self, tokens, num_samples, max_tokens, seed, stop, forced, knobs)
         device = self.model.emb.weight.device
-        generators = [torch.Generator(device).manual_seed(s) for s in seeds]
-        rows = [RowState(list(tokens), len(tokens), deque(f)) for f in forced]
-        return self._run(rows, generators, settings, self.stop_rule(stop_ids, stop_texts), max_tokens)
+        generators = [torch.Generator(device).manual_seed(s) for s in request.seeds]
+        rows = [RowState(list(request.tokens), len(request.tokens), deque(f)) for f in request.forced]
+        stops_at = self.stop_rule(request.stop_ids, request.stop_texts)
+        return self._run(rows, generators, request.settings, stops_at, max_tokens)
 
     def stop_rule(self, ids, texts):
         def stops_at(row, token):
-            # A stop text of L bytes first appears ending in the newest token, and spans at most
-            # the last L tokens (each is at least one byte): match those tokens' bytes, at any length.
+            # a stop text of L bytes first appears ending in the newest token, within the last L tokens' bytes
             new = row.tokens[row.n_prompt:]
             return token in ids or any(t in b"".join(self.tokenizer.vocab[i] for i in new[-len(t):]) for t in texts)
         return stops_at
 
     def pick(self, logits, history, generators, settings):
-        """One token per row (B,): the rows that share knobs are picked as one batch, each row drawing
-        with its own generator, so each gets what it would alone."""
-        tokens = torch.empty(len(settings), dtype=torch.long, device=logits.device)
-        for knobs in map(dict, {tuple(sorted(s.items())) for s in settings}):
-            rows = [i for i, s in enumerate(settings) if s == knobs]
-            at = torch.tensor(rows, device=logits.device)
-            tokens[at] = sampling.pick(logits[at], history=None if history is None else history[at],
-                                       generator=[generators[i] for i in rows], **knobs)
-        return tokens
+        """One token per row (B,), each row with its own knobs and generator: what it would get alone."""
+        return torch.cat([sampling.pick(logits[i:i + 1], history=None if history is None else history[i:i + 1],
+                                        generator=[g], **knobs) for i, (g, knobs) in enumerate(zip(generators, settings))])
 
     def take(self, rows, picked, stops_at):
         """Each row takes its picked token, or its next forced one; a completed row takes nothing (None)."""
@@ -248,41 +221,6 @@ class Engine:
                     results[i].append(token)
                     masks[i].append(mask)
         return results, masks
-
-
-def add_sample_flags(ap):
-    """The flags of a run of N samples from one prompt: this script's, and engines/fast_engine.py's."""
-    ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
-    ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    ap.add_argument("-n", type=int, default=8, help="number of samples")
-    ap.add_argument("--tokens", type=int, default=60)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-p", type=float, default=0.9)
-    ap.add_argument("--tokenizer", default="tokenizer.json")
-    ap.add_argument("--device", default="cpu")
-
-
-def sample_knobs(args):
-    check_sample_flags(args.n, args.seed, args.tokens)
-    knobs = dict(temperature=args.temperature, top_p=args.top_p)
-    check_knobs(**knobs)
-    return knobs
-
-
-def show_samples(engine, tokenizer, args, knobs, prepare=lambda: ""):
-    """Print args.n samples of the prompt, then the time to the first token and the tokens a second;
-    prepare() runs before anything is timed, and what it returns ends the last line."""
-    tokens = prompt_ids(tokenizer, args.prompt, engine.model)[0].tolist()
-    check_cache(engine.model, args.n, engine.cache_len(len(tokens), args.tokens))  # before anything allocates it
-    note = prepare()
-    ttft, seconds, rows = timed_generation(engine, tokens, args.n, args.tokens, "tokens", seed=args.seed, **knobs)
-    for i, row in enumerate(rows):
-        print(f"--- sample {i} (seed {args.seed + i})")
-        print(tokenizer.decode(tokens + row))
-    print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens: first token in "
-          f"{ttft * 1e3:.1f} ms, {args.n * args.tokens / seconds:,.0f} tok/s ({args.device}, "
-          f"{torch.get_num_threads()} threads{note})")
 
 
 def main():

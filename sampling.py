@@ -1,33 +1,26 @@
 """The four sampling knobs: repetition penalty, temperature, top-k, top-p.
 
-pick(logits, ...) turns last-position scores (B, vocab) into one token per
-row (B,): the repetition penalty on every token in `history` (prompt included),
-temperature (0 means argmax), top-k, top-p, then a draw from the softmax with
-`generator`. Its inputs are checked once at the edge (checks.check_knobs,
-checks.check_pick). `python sampling.py` runs the self-check.
+pick(logits, ...) turns last-position scores (B, vocab) into one token per row
+(B,): the penalty on every token in `history` (prompt included), temperature (0
+is argmax), top-k, top-p, then a draw with `generator`. The knobs are checked at
+the edge (checks.check_knobs). `python sampling.py` runs the self-check.
 """
 import torch
 
-
-def penalized(logits, history, penalty):
-    """logits with the penalty applied to every token in history (B, T)."""
-    seen = logits.gather(-1, history)
-    # Divide positive scores, multiply negative ones: both push the token down.
-    out = logits.scatter(-1, history, torch.where(seen > 0, seen / penalty, seen * penalty))
-    # A penalty can overflow a score to inf, or a row's every score to -inf (softmax then gives NaN): such
-    # rows are penalized in float64, which holds them, and shifted by their top score, which softmax ignores.
-    overflows = out.isinf().any(-1, keepdim=True)
-    if logits.dtype != torch.float64 and overflows.any():
-        wide = penalized(logits.double(), history, penalty)
-        out = torch.where(overflows, (wide - wide.amax(-1, keepdim=True)).to(out.dtype), out)
-    return out
+from errors import BadValue
 
 
 def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None, generator=None):
     """generator: one for every row, or a list of one per row (each row then draws what it would alone)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)  # float64 stays float64
     if penalty != 1.0 and history is not None:
-        logits = penalized(logits, history.expand(len(logits), -1), penalty)  # one history row serves every row
+        history = history.expand(len(logits), -1)  # one history row serves every row
+        seen = logits.gather(-1, history)
+        # Divide positive scores, multiply negative ones: both push the token down.
+        logits.scatter_(-1, history, torch.where(seen > 0, seen / penalty, seen * penalty))
+        if not torch.isfinite(logits).all():  # no draw is honest from a score pushed past the dtype's range
+            raise BadValue(f"penalty {penalty} pushes a score past {logits.dtype}'s range; "
+                           "use a penalty nearer 1 (docs/refuses.md states the limit)")
     if temperature == 0:
         return logits.argmax(-1)
     scaled = logits / temperature
@@ -64,8 +57,7 @@ def self_check():
     assert all((d[:, None] == top5).any(-1).all() for d in draws), "top_k=5 stays in the top 5"
     quarter = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(2000, 4)
     assert set(pick(quarter, top_p=0.75, generator=g).flatten().tolist()) == {0, 1}, "top_p=0.75 keeps two"
-    penalized_first = pick(torch.tensor([[2.0, 1.5]]), temperature=0, penalty=2.0, history=torch.tensor([[0]]))
-    assert penalized_first.item() == 1, "penalty"
+    assert pick(torch.tensor([[2.0, 1.5]]), temperature=0, penalty=2.0, history=torch.tensor([[0]])) == 1, "penalty"
     probs, n = torch.tensor([0.4, 0.3, 0.2, 0.1]), 200_000
     freq = torch.bincount(pick(probs.log().expand(n, 4), generator=g), minlength=4).float() / n
     assert (freq - probs).abs().max() < 0.006, f"temperature 1 samples the softmax: {freq.tolist()}"
@@ -74,7 +66,7 @@ def self_check():
 
 def main():
     import cli  # the command line's edge, for the self-check only: pick itself needs nothing of it
-    cli.Parser(description="Self-check of pick(): the reference cases and the draw frequencies; no arguments.").parse_args()
+    cli.Parser(description="Self-check of pick(): the reference cases and the draw frequencies.").parse_args()
     try:
         freq = self_check()
     except AssertionError as e:

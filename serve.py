@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 
-# first: cli.check_start says in one line what would stop torch from starting
 from cli import Parser, check_count, check_fits, check_least, device_from, run_cli
 from errors import BadValue, CompileFailed
 

@@ -18,7 +18,6 @@ import os
 import sys
 import time
 
-# first: cli.check_start says in one line what would stop torch from starting
 from cli import Parser, device_from, run_cli, show_progress
 from files import atomic_write, check_input, check_output, shown
 from errors import BadPath, BadValue
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from bpe import BPE, read_corpus
-from checks import check_archive, save_checkpoint
+from checkpoint import check_archive, save_checkpoint
 from model import GPT, Config
 
 BATCH = 32

@@ -12,12 +12,13 @@ import tempfile
 
 import torch
 
+from figures import bandwidth_cells, bytes_per_step, put_bandwidth
 from bpe import BPE
 from cached import first_difference
 from engines import peers
 from engines.bench_speed import CHECKPOINT, drift_model, drift_prompt
 from engines.fast_engine import FastEngine
-from timing import bandwidth_cells, bytes_per_step, measure, put_bandwidth
+from timing import measure
 
 
 # table 6's serving engines: the modules each needs, and the requirements file that installs them

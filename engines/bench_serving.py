@@ -277,7 +277,7 @@ def main():
     args = ap.parse_args()
     for name, least in (("clients", 1), ("requests", 1), ("rate", 0.01), ("think", 0), ("max_tokens", 1), ("threads", 1)):
         check_least("--" + name.replace("_", "-"), getattr(args, name), least)
-    from timing import machine
+    from figures import machine
     device = device_from(args.device)
     check_dtype(args.dtype, device)
     info = machine(device) | {"threads": args.threads, "dtype": args.dtype}

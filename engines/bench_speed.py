@@ -12,12 +12,13 @@ import time
 
 import torch
 
+from figures import bandwidth_cells, bytes_per_step, put_bandwidth, untrained_model
 from cached import load, first_difference
 from engines.compile_ways import compile_ways
 from engines.decode_step import DecodeStep, GraphCache
 from engines.fast_engine import FastEngine
 from engines.matmul import KERNELS, choose, with_kernel
-from timing import bandwidth_cells, bytes_per_step, measure, put_bandwidth, sync, untrained_model
+from timing import measure, sync
 
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.int8: "int8"}
@@ -37,7 +38,7 @@ def decode_fixture(model, batch, device):
 
 @torch.inference_mode()
 def table_kernels(model, device, sizes, runs, out):
-    print(f"\n3. the decode step's matrix multiply: every exact kernel (kernels.py) timed for one step's "
+    print(f"\n3. the decode step's matrix multiply: every exact kernel (engines/matmul.py) timed for one step's "
           f"{sum(isinstance(m, torch.nn.Linear) for m in model.modules())} products")
     print("   (ms, fastest of 5 interleaved runs), as the Engine measures them; then one whole step at a full")
     print(f"   {model.cfg.context}-position cache with the chosen kernel and with nn.Linear (ms, median of "
@@ -62,11 +63,11 @@ def table_kernels(model, device, sizes, runs, out):
         if device.type == "cpu" and sizes["compiled_ways"]:
             row["compiled_step_ms"] = compiled_ways(model, device, batch, steps, runs)
             ways = ", ".join(f"{name} {ms:.3f} ms" for name, ms in row["compiled_step_ms"].items())
-            print(f"            compiled (kernels.COMPILE_WAYS, the Engine runs the fastest): whole step {ways}")
+            print(f"            compiled (engines.compile_ways.COMPILE_WAYS, the Engine runs the fastest): whole step {ways}")
 
 
 def compiled_ways(model, device, batch, steps, runs):
-    """The step for `batch` rows compiled each of kernels.COMPILE_WAYS worth compiling for them, timed in
+    """The step for `batch` rows compiled each of engines.compile_ways.COMPILE_WAYS worth compiling for them, timed in
     turns at a full cache (ms), with the bench's runs and medians (the Engine, to choose, times them at half)."""
     token, cache = decode_fixture(model, batch, device)
     ways = {name: DecodeStep(model, cache, compile=True, ways={name: o})
@@ -118,7 +119,7 @@ def outside_the_step(row, timed, batch, n):
 def table_decode(model, engines, device, sizes, runs, bandwidth, out):
     print("\n4. decode speed, the post's two loops timed whole beside the Engine: tok/s = batch x tokens / seconds")
     print("   (median, ± half range)")
-    print("   Engine: kernels.FastEngine's default (the fastest exact kernel, table 3); compiled: compile=True;")
+    print("   Engine: engines.fast_engine.FastEngine's default (the fastest exact kernel, table 3); compiled: compile=True;")
     print("   bf16: dtype=torch.bfloat16 (weights and cache); int8: dtype=torch.int8 (weights only, one scale per")
     print("   output channel, the cache float32), eager and compiled; their drift from float32 below")
     print("   Under each row, MB %bw: what a step must read (table 0's MB/step, at each form's dtype), and bytes a")

@@ -25,6 +25,7 @@ from engines.compile_cache import (KEY_FIELD, check_compile_cache, choice_path, 
 from engines.compile_ways import COMPILED_ATTENTION, WAY_FIELDS, check_compiler, compile_ways, way_model
 from engines.graph_pick import GraphPick, Knobs
 from engines.int8 import Int8Linear
+from engines.rope import with_row_attention
 from prefill_clone import KVCache
 from timing import median, timings
 
@@ -123,7 +124,7 @@ class DecodeStep:
 
     def __init__(self, model, cache, compile=False, capture=False, jit=False, ways=None, compile_cache=None,
                  pick=None):
-        self.model, self.cache = model, cache
+        self.model, self.cache = with_row_attention(model), cache  # each row at its own position
         batch, device = cache.shape["batch"], cache.k.device
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pick = None if pick is None else GraphPick(pick)

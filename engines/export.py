@@ -12,7 +12,7 @@ import shutil
 import tempfile
 
 from cli import Parser
-from files import appeared, check_output, place, shown, write_failure
+from files import appeared, check_output, place, shown
 from errors import Appeared, BadPath, BadValue, EngineFailed
 
 import torch
@@ -86,6 +86,17 @@ def check_apart(outputs, folders):
         if held:
             raise BadValue(f"{shown(held[0])} is inside {shown(folder)}, which the export replaces whole; "
                              "give outputs that do not nest")
+
+
+WRITE_FAILURES = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def write_failure(error):
+    """Why a write failed, where `error` says: a full disk, ulimit -f or a quota; else None. Writers
+    in Rust or C++ (safetensors, ctranslate2) pass the system's reason on only as text."""
+    if isinstance(error, OSError) and error.errno in WRITE_FAILURES:
+        return error.strerror
+    return next((os.strerror(code) for code in WRITE_FAILURES if os.strerror(code) in str(error)), None)
 
 
 def put_in_place(built, path, force, export_files):

@@ -14,33 +14,11 @@ rows, and no block a row reads can be evicted under it.
     logits = prompt_step(model, rows, [(row, ids, start)])   # prompt chunks, each at positions start..
     store.save(rows, row, index, block)              # the row's full block `index`, kept
 """
-import copy
-
 import torch
 
-from cached import CachedAttention
 from prefill_clone import LayerView
 
 
-class MaskedAttention(CachedAttention):
-    """CachedAttention whose cache's mask, where it gives one, replaces is_causal. cached.py passes
-    is_causal=T > 1, right for a prompt into an empty cache, where SDPA's top-left mask is causal; a chunk
-    that follows cached positions needs a mask aligned to its own positions instead, and SDPA given both
-    applies is_causal alone."""
-
-    def attend(self, q, k, v, is_causal, attn_mask=None):
-        return super().attend(q, k, v, is_causal and attn_mask is None, attn_mask)
-
-
-def with_masked_attention(module):
-    """A copy of the module tree whose attention layers are MaskedAttention; the parameters are the model's
-    own, and the model is left as it was."""
-    tree = copy.copy(module)
-    if isinstance(module, CachedAttention):
-        assert type(module) is CachedAttention, "a variant of the attention would lose what it changes"
-        tree.__class__ = MaskedAttention
-    tree._modules = {name: with_masked_attention(child) for name, child in module._modules.items()}
-    return tree
 
 
 class PromptRows:
@@ -75,7 +53,7 @@ class PromptRows:
 
 def prompt_step(model, cache, chunks):
     """Run prompt chunks [(row, ids, start)], each its prompt's tokens ids at positions start.., into their
-    rows of cache, in one forward of model (with_masked_attention's); the logits of each chunk's last token
+    rows of cache, in one forward of model (engines.rope.with_row_attention's); the logits of each chunk's last token
     (len(chunks), vocab)."""
     rows, ids, starts = zip(*chunks)
     T = max(map(len, ids))

@@ -26,6 +26,7 @@ in a loop of its own and passes each Event to its client).
 """
 import time
 
+from cli import check_count
 from errors import BadValue
 
 import torch
@@ -65,12 +66,6 @@ class StepClock:
             kind[0], kind[1] = kind[0] + 1, kind[1] + self.last - self.started
 
 
-def whole(name, value, least):
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise BadValue(f"{name} must be a whole number >= {least}, got {value!r}")
-    return value
-
-
 class ServingEngine:
     """max_rows: requests admitted at once (decoding or prefilling), a row of the full window each.
     block_size: positions a block of the prefix cache holds. cache_blocks: the prefix cache's blocks, its
@@ -86,12 +81,12 @@ class ServingEngine:
                  fixed_shapes=False, compile=False, compile_cache=None):
         self.model, self.tokenizer = model, tokenizer
         self.lesson = Engine(model, tokenizer)  # its checks, stop rule and pick: the same rules, not copies
-        self.max_rows = whole("max_rows", max_rows, 1)
-        self.block_size = whole("block_size", block_size, 1)
-        whole("prefill_chunk", prefill_chunk, 1)
+        self.max_rows = check_count("max_rows", max_rows, 1)
+        self.block_size = check_count("block_size", block_size, 1)
+        check_count("prefill_chunk", prefill_chunk, 1)
         blocks = max_rows * blocks_per_row(model.cfg.context, block_size) if cache_blocks is None else cache_blocks
         self.runner = ServingRunner(model, self.lesson, max_rows, bool(fixed_shapes), compile, compile_cache)
-        self.scheduler = Scheduler(model, self.runner.rows, block_size, whole("cache_blocks", blocks, 0),
+        self.scheduler = Scheduler(model, self.runner.rows, block_size, check_count("cache_blocks", blocks, 0),
                                    prefill_chunk, bool(fixed_shapes))
         self.active, self.cancelling = {}, set()
         self.clock = StepClock()
@@ -114,7 +109,7 @@ class ServingEngine:
                      penalty=request.penalty)
         tokens, seeds, settings, stop_ids, stop_texts, _ = check_request(
             self.lesson, request.prompt, 1, request.max_tokens, request.seed, request.stop, None, knobs)
-        whole("max_tokens", request.max_tokens, 1)
+        check_count("max_tokens", request.max_tokens, 1)
         context = self.model.cfg.context
         if len(tokens) + request.max_tokens > context:
             room = context - len(tokens)

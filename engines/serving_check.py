@@ -23,7 +23,8 @@ import torch
 from cached import load_pair
 from engines.fast_engine import check_dtype
 from engines.serving import Request, ServingEngine
-from prefill_clone import DEFAULT_PROMPT, Engine
+from prefill_clone import Engine
+from samples import DEFAULT_PROMPT
 
 LINES = ["What do you make of the letter?", "Where were you last night, Watson?", "Tell me of the woman.",
          "Who rang the bell at so late an hour?", "The hound, Holmes, the hound!", "Why the speckled band?"]

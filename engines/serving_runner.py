@@ -11,7 +11,8 @@ history.
 """
 import torch
 
-from engines.row_cache import prompt_step, with_masked_attention
+from engines.rope import with_row_attention
+from engines.row_cache import prompt_step
 from engines.runner import StepRunner
 from model import check_finite
 
@@ -23,7 +24,7 @@ class ServingRunner:
 
     def __init__(self, model, lesson, max_rows, fixed_shapes=False, compile=False, compile_cache=None):
         self.model, self.lesson, self.fixed_shapes = model, lesson, fixed_shapes
-        self.prompt_model = with_masked_attention(model)  # the prompts' chunks, each query masked at its position
+        self.prompt_model = with_row_attention(model)  # the prompts' chunks, each query masked at its position
         self.steps = self._made(StepRunner(model, max_rows, [max_rows] if fixed_shapes else None, compile,
                                            compile_cache))
         self.rows, self.device = self.steps.cache, model.emb.weight.device

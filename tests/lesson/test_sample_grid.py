@@ -7,7 +7,7 @@ import torch
 
 import sample_grid
 from bpe import BPE
-from conftest import run_main
+from helpers import run_main
 from cached import load
 from prefill_clone import Engine
 from sample_grid import SETTINGS, grid

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 MAP = "docs/map.md"
 LINK = re.compile(r"\[([\w/.-]+\.py):(\d+)\]\(([\w/.-]+\.py)#L(\d+)\)( \(`([^`]+)`\))?")

@@ -1,7 +1,7 @@
 """The chat page (engines/chat.html at GET /) in a real headless browser: a typed message is sent, the reply
 streams in, and the next turn re-sends the conversation, which the prefix cache serves.
 
-    python -m pytest -q tests/test_chat_page.py      # needs Debian's chromium and chromium-driver:
+    python -m pytest -q tests/engines/test_chat_page.py      # needs Debian's chromium and chromium-driver:
                                                      # apt-get install chromium chromium-driver
 
 Driven over the W3C WebDriver protocol (chromedriver's HTTP API) with the standard library alone. Without
@@ -11,7 +11,6 @@ server runs in a thread on the shipped holmes.pt; timeouts are hang guards only.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import urllib.error
@@ -19,7 +18,8 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, needs
+from helpers import ROOT, free_port
+from support import needs
 
 uvicorn = needs("uvicorn")
 needs("starlette")
@@ -41,11 +41,6 @@ def browser_or_skip():
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-
-
-def free_port():
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return s.getsockname()[1]
 
 
 class WebDriver:
@@ -148,7 +143,7 @@ def send(browser, text, turns):
     return browser.script(REPLIES)
 
 
-def test_a_typed_message_streams_its_reply_in_and_the_next_turn_is_served_from_the_cache(page_server, browser):
+def test_a_typed_message_streams_its_reply_and_the_next_turn_hits_the_cache(page_server, browser):
     url, ask = page_server
     browser.open(url + "/")
     assert browser.script("return document.title") == "Tiny GPT chat"

@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from bpe import BPE
-from cached import TrimAfter
-from conftest import PROMPT, SMALL, TOKENIZER, compiled_model, small
+from helpers import PROMPT, SMALL, TOKENIZER, small
+from support import compiled_model
 from engines.decode_step import GraphCache
 from engines.fast_engine import FastEngine
+from engines.rope import RowAttention, with_row_attention
 from engines.row_cache import prompt_step
 from engines.serving import Request, ServingEngine
 from prefill_clone import Engine
@@ -33,7 +34,6 @@ def test_the_lessons_forwards_hand_sdpa_a_mask_or_is_causal(calls):
     idx = torch.tensor([PROMPT])
     model(idx)  # Part 3's forward
     model.generate_cached(idx, past_window)
-    model.generate_cached(idx, past_window, cache=TrimAfter)
     model.step(idx, [{} for _ in model.blocks], 0)  # the post's dicts
     Engine(model).generate_batch(PROMPT, 3, max_tokens=past_window, seed=0)  # prefill once, clone, decode
     assert (len(PROMPT), False, True) in calls and (1, False, False) in calls
@@ -52,10 +52,17 @@ def test_the_engines_forwards_hand_sdpa_a_mask_or_is_causal(calls):
     assert any(queries > 1 and masked for queries, masked, _ in calls)  # prompt chunks after cached positions
 
 
+class BothHanded(RowAttention):
+    """The prompt chunks' attention handing SDPA the lesson's is_causal=T > 1 beside the chunks' mask."""
+
+    def attend(self, q, k, v, is_causal, attn_mask=None):
+        return super().attend(q, k, v, q.shape[2] > 1, attn_mask)
+
+
 def test_a_forward_that_hands_sdpa_both_fails_here(calls):
-    """The serving engine's prompt chunks run through the lesson's own attention, not its MaskedAttention:
-    is_causal=T > 1 beside the chunks' mask."""
-    model = compiled_model()
+    model = with_row_attention(compiled_model())
+    for block in model.blocks:
+        block.attn.__class__ = BothHanded
     rows = GraphCache.for_model(model, 1, model.cfg.context)
     with pytest.raises(AssertionError, match="SDPA handed both"), torch.inference_mode():
         prompt_step(model, rows, [(0, PROMPT, 0)])

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 LESSON = ["model", "bpe", "cached", "sampling", "prefill_clone"]  # the post's modules
+EDGE = ["cli", "checks", "errors", "files", "timing"]  # what every script shares: leaves, beneath the lesson
 SCRIPTS_ON_TOP = ["sample_grid", "bench"]  # the lesson's scripts: the folder only where a flag asks for it
 BEYOND = ("engines", "transformers", "tokenizers", "gguf", "ctranslate2", "llama_cpp", "fastapi", "starlette",
           "uvicorn", "openai", "torch._inductor")
-LESSON_TESTS = ["test_model", "test_bpe", "test_cached", "test_sampling", "test_prefill_clone", "test_sample_grid",
-                "test_series", "test_train"]
+LESSON_TESTS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "tests", "lesson")) if name.endswith(".py"))
 
 
 def repo_modules():
@@ -69,6 +69,11 @@ def test_a_lesson_module_reaches_nothing_beyond_the_lesson(module):
     assert not outside, f"{module} reaches {sorted(outside)}"
 
 
+@pytest.mark.parametrize("module", EDGE)
+def test_the_edge_imports_nothing_of_the_lesson(module):
+    assert reached(module, graph()) <= set(EDGE)
+
+
 @pytest.mark.parametrize("script", SCRIPTS_ON_TOP)
 def test_a_lesson_script_loads_the_folder_only_inside_the_branch_a_flag_takes(script):
     edges = graph(top_level_only=True)
@@ -84,5 +89,11 @@ def test_importing_the_lesson_and_its_scripts_loads_nothing_of_the_folder():
 
 @pytest.mark.parametrize("test_file", LESSON_TESTS)
 def test_the_lessons_tests_import_nothing_beyond_it(test_file):
-    names = imported(os.path.join(ROOT, "tests", f"{test_file}.py"))
+    names = imported(os.path.join(ROOT, "tests", "lesson", f"{test_file}.py"))
     assert not [m for m in names if m.startswith(BEYOND)], test_file
+
+
+@pytest.mark.parametrize("conftest", ["conftest.py", "helpers.py"])
+def test_what_the_lessons_tests_load_imports_nothing_of_the_folder(conftest):
+    names = imported(os.path.join(ROOT, "tests", conftest))
+    assert not [m for m in names if m.startswith(BEYOND)], conftest

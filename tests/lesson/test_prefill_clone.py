@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from cached import LayerCache
 import prefill_clone
-from conftest import PROMPT, SMALL, assert_refused, run_main, small
+from helpers import (PROMPT, SMALL, assert_refused, ring_gives_a_trim_first_caches_logits_for_600_steps, run_main,
+                     small)
 from model import GPT, Config
 from checks import cache_bytes
 from prefill_clone import Engine, KVCache, run_prompt
@@ -48,7 +48,7 @@ def test_prefill_asserts_an_empty_cache_and_a_source_batch_of_1_or_equal():
         many.prefill(one)
 
 
-def test_every_linear_and_layernorm_runs_on_every_decode_step_and_the_head_once_per_token():
+def test_every_layer_runs_each_decode_step_and_the_head_once_a_token():
     model = small()
     calls = {}
     modules = {name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm))}
@@ -76,7 +76,7 @@ KNOB_SETS = [dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9),
 
 @pytest.mark.parametrize("knobs", KNOB_SETS, ids=["top-k", "top-p", "all four"])
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_row_i_of_n_samples_what_cached_py_samples_with_a_generator_seeded_seed_plus_i(n, knobs):
+def test_row_i_samples_what_cached_py_does_with_seed_plus_i(n, knobs):
     model = small()
     rows, _ = Engine(model).generate_batch(PROMPT, n, max_tokens=20, seed=100, **knobs)
     for i in range(n):
@@ -132,20 +132,8 @@ def test_a_stop_string_completes_a_row():
     assert len(stopped) <= 4 and tokenizer.decode(stopped).endswith(text[-2:])
 
 
-def test_ring_past_the_window_gives_cached_py_logits_for_600_steps(ring=KVCache, known_pos=True):
-    model = small()
-    feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
-    ring = ring.for_model(model, 2, SMALL.context)
-    with torch.inference_mode():
-        logits_ring = model.step(feed[:, :10], ring, 0)
-    caches = [LayerCache(SMALL.context) for _ in model.blocks]
-    with torch.inference_mode():
-        logits_rolling = model.step(feed[:, :10], caches, 0)
-        for t in range(10, 600):
-            torch.testing.assert_close(logits_ring, logits_rolling, atol=1e-4, rtol=1e-4)
-            logits_ring = model.step(feed[:, t:t + 1], ring, t if known_pos else ring.cache_seqlens.long())
-            logits_rolling = model.step(feed[:, t:t + 1], caches, t)
-    assert ring.k.shape[2] == SMALL.context and ring.get_pos() == 600
+def test_ring_past_the_window_gives_a_trim_first_caches_logits_for_600_steps():
+    ring_gives_a_trim_first_caches_logits_for_600_steps(KVCache)
 
 
 def test_gqa_cached_equals_uncached_and_the_cache_shrinks():
@@ -232,14 +220,14 @@ def test_a_ring_shorter_than_the_context_refuses_to_wrap():
     (["--temperature", "1e-38"], "temperature must be 0 (greedy) or at least 0.0001"),
     (["--top-p", "nan"], "top_p must be a finite number"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--seed", "-1"], "--seed must be in 0.."),
-    (["--seed", str(2**64)], "--seed must be in 0.."),
+    (["--seed", "-1"], "--seed -1 is outside the seeds 0.."),
+    (["--seed", str(2**64)], f"--seed {2**64} is outside the seeds 0.."),
     (["-n", "100000"], "GiB, more than half of this machine"),
     (["-n", "100000000"], "GiB, more than half of this machine"),
-    (["-n", "0"], "-n must be at least 1, got 0"),
+    (["-n", "0"], "-n must be a whole number >= 1, got 0"),
     (["--tokens", str(10**11)], "(the tokens they keep) needs "),
-    (["-n", "-2"], "-n must be at least 1, got -2"),
-    (["--tokens", "-1"], "--tokens must be at least 1, got -1"),
+    (["-n", "-2"], "-n must be a whole number >= 1, got -2"),
+    (["--tokens", "-1"], "--tokens must be a whole number >= 1, got -1"),
     (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
 ])
 def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, monkeypatch, capsys):

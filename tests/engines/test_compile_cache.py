@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from engines import compile_cache, compile_ways, decode_step
-from cached import CachedGPT, break_on_purpose
+from cached import GOTCHAS, CachedGPT
 from cli import run_cli
 from engines.decode_step import DecodeStep, GraphCache
 from engines.fast_engine import FastEngine
 from engines.serving import ServingEngine
 from engines.compile_ways import compiler_missing
-from conftest import AS_SET, COMPILED, COMPILED_ROWS, compiled_model, run_main
+from helpers import run_main
+from support import AS_SET, COMPILED, COMPILED_ROWS, compiled_model
 from errors import CompileFailed
 from model import Config
 from prefill_clone import Engine, KVCache
@@ -70,7 +71,7 @@ def assert_eager_tokens(engine, model, batch, cases=(dict(temperature=0), dict(t
         assert engine.generate_batch(PROMPT, batch, max_tokens=SMALL.context - len(PROMPT), **knobs)[0] == eager
 
 
-def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens_at_every_step(kept):
+def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens(kept):
     model, folder, engine = kept
     step = engine.steps[B, ()]
     assert step.package.startswith(str(folder))
@@ -87,7 +88,7 @@ def test_one_compile_per_batch_serves_every_prompt_and_length(kept):
 
 
 @pytest.mark.parametrize("context", [1, 2, 5])
-def test_one_exported_step_serves_every_number_of_slots_and_gives_the_eager_steps_logits_and_cache(context):
+def test_one_exported_step_serves_every_slot_count_as_the_eager_step(context):
     # 1: a ring whose one length is exported as a constant; 2: the fewest slots whose number varies
     torch.manual_seed(0)
     model = CachedGPT(Config(vocab_size=64, d_model=16, n_heads=2, n_layers=1, context=context)).eval()
@@ -106,7 +107,7 @@ def test_one_exported_step_serves_every_number_of_slots_and_gives_the_eager_step
                 torch.testing.assert_close(got, want)
 
 
-def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_eager_tokens(kept, light,
+def test_a_second_engine_loads_each_kept_step_without_compiling(kept, light,
                                                                                          monkeypatch, capsys):
     model, folder, first = kept
     never_compile(monkeypatch)
@@ -120,7 +121,7 @@ def test_a_second_engine_loads_each_kept_step_without_compiling_and_gives_the_ea
     assert open(step.package, "rb").read() == kept_bytes
 
 
-def test_a_kept_step_loads_without_a_cpp_compiler_and_one_to_compile_is_refused_in_one_line(kept, light,
+def test_a_kept_step_loads_without_a_compiler_and_a_compile_is_refused(kept, light,
                                                                                              monkeypatch, inductor_cxx):
     model, folder, _ = kept
     inductor_cxx("no-such-c++")
@@ -145,11 +146,14 @@ def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
     with torch.no_grad():
         changed.blocks[1].mlp[2].weight[3, 5] += 1e-3  # one weight, a little
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    broken = copy.deepcopy(model)
+    for block in broken.blocks:
+        block.attn.__class__ = GOTCHAS["rope"]
     others = {
         "weights": step_key(changed, cache, {}),
         "batch": step_key(model, KVCache.for_model(model, 3, SMALL.context), {}),
         "dtype": step_key(bf16, KVCache.for_model(bf16, 1, SMALL.context), {}),
-        "model class": step_key(break_on_purpose(copy.deepcopy(model), "rope"), cache, {}),
+        "model class": step_key(broken, cache, {}),
         "options": step_key(model, cache, {"freezing": True}),
         "linears as dot products": step_key(model, cache, {"linears": "dot_products"}),
         "attention as math": step_key(model, cache, {"attention": "math"}),
@@ -167,7 +171,7 @@ def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
     assert {"model.py", "cached.py", "prefill_clone.py", "decode_step.py", "matmul.py"} <= set(sources)
 
 
-def test_weights_changed_in_place_are_refused_by_the_engine_and_compiled_anew_by_a_new_one(kept, light,
+def test_weights_changed_in_place_are_refused_and_compiled_anew_by_a_new_engine(kept, light,
                                                                                          monkeypatch):
     model, folder, _ = kept
     model = copy.deepcopy(model)  # the same weights: the kept step serves it
@@ -199,7 +203,7 @@ def damaged(good, other):
 
 
 @pytest.mark.parametrize("what", ["truncated", "a flipped bit", "not a zip", "another key's package"])
-def test_a_damaged_or_foreign_package_is_said_in_one_line_left_as_it_is_and_compiled_anew(
+def test_a_damaged_or_foreign_package_is_said_left_alone_and_compiled_anew(
         kept, compiled, light, what, tmp_path, monkeypatch, capsys):
     model, folder, first = kept
     path = tmp_path / first.steps[B, ()].package.rsplit("/", 1)[1]
@@ -243,7 +247,7 @@ def test_a_step_that_computes_something_else_is_refused_in_one_line(kept, light,
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.norm.weight.mul_(2)
-    made_for = step_key(model, first.steps[B, ()].cache, LIGHT["cpu"]["plain"])
+    made_for = step_key(first.steps[B, ()].model, first.steps[B, ()].cache, LIGHT["cpu"]["plain"])  # as compiled
     # the other model's key were the first's
     monkeypatch.setattr(decode_step, "step_keys", lambda model, cache, ways, pick: dict.fromkeys(ways, made_for))
     shutil.copy(first.steps[B, ()].package, tmp_path)
@@ -254,7 +258,7 @@ def test_a_step_that_computes_something_else_is_refused_in_one_line(kept, light,
     assert len(str(refused.value).splitlines()) == 1
 
 
-def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_the_checkpoint_is_read(
+def test_a_compile_cache_that_cannot_be_a_folder_is_refused_before_any_read(
         tmp_path, monkeypatch):
     taken = tmp_path / "a file"
     taken.write_text("mine")
@@ -267,7 +271,7 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_in_one_line_before_t
     assert taken.read_text() == "mine"
 
 
-def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_load_only_it(
+def test_each_way_is_timed_the_fastest_runs_and_later_steps_load_only_it(
         kept_every_way, monkeypatch):
     monkeypatch.setattr(compile_ways, "COMPILE_WAYS", AS_SET)
     ways = compile_ways.compile_ways(torch.device("cpu"), B)
@@ -308,7 +312,7 @@ def test_the_ways_as_set_are_each_timed_here_the_fastest_runs_and_later_steps_lo
     assert open(choice).read() == "{not json"
 
 
-def test_int8_weights_are_compiled_every_way_but_unfrozen_so_that_the_program_keeps_them_int8(tmp_path, monkeypatch):
+def test_int8_weights_compile_every_way_unfrozen_and_stay_int8(tmp_path, monkeypatch):
     # frozen, inductor folds each int8 weight's dequantization into a float32 copy kept in the program
     class EveryWayAsked(Exception):
         pass
@@ -423,7 +427,7 @@ def test_a_way_that_fails_to_compile_is_said_and_the_run_goes_on_with_the_others
     assert_eager_tokens(engine, model, B)
 
 
-def test_loading_kept_steps_leaves_the_cache_out_of_autograd_for_weights_that_require_grad(every_way_compiled):
+def test_loading_kept_steps_leaves_the_cache_out_of_autograd(every_way_compiled):
     """A step made ready is rehearsed against the eager step, which writes the cache in place: under autograd, for
     a checkpoint's weights as loaded (they require grad), that left the cache in autograd's graph, and the next
     step made on the same cache refused to write it (serve.py's second start died so)."""

@@ -14,11 +14,13 @@ import torch
 
 from bpe import BPE
 from cached import CachedAttention
-from conftest import COMPILED, COMPILED_ROWS, TOKENIZER, assert_refused, compiled_model, run_main
+from helpers import TOKENIZER, assert_refused, run_main
+from support import COMPILED, COMPILED_ROWS, compiled_model
 from errors import BadValue
 from engines.blocks import PrefixCache, blocks_for_bytes, digests_of
 from engines.decode_step import GraphCache
-from engines.row_cache import prompt_step, with_masked_attention
+from engines.row_cache import prompt_step
+from engines.rope import RowAttention, with_row_attention
 from engines.sequence import Event, Request
 from engines.serving import ServingEngine
 from engines.serving_text import TextStream
@@ -165,7 +167,7 @@ def random_trial(seed):
 
 @pytest.mark.parametrize("fixed_shapes", [False, True], ids=["variable shapes", "fixed shapes"])
 @pytest.mark.parametrize("seed", range(6))
-def test_every_request_gets_the_tokens_the_engine_gives_it_alone_whatever_arrives_when(seed, fixed_shapes):
+def test_every_request_gets_its_engine_alone_tokens_whatever_arrives_when(seed, fixed_shapes):
     arrivals, shape = random_trial(seed)
     engine = ServingEngine(MODEL, TOK, **shape, fixed_shapes=fixed_shapes)
     events = serve(engine, arrivals)
@@ -190,7 +192,7 @@ def test_on_the_compiled_decode_step_every_request_still_gets_the_engines_tokens
         check_events(r, events[r.id])
 
 
-def test_compiled_steps_taken_on_while_serving_leave_every_requests_tokens_as_they_were(every_way_compiled):
+def test_compiled_steps_taken_on_mid_serving_leave_every_requests_tokens(every_way_compiled):
     """serve.py's start: eager steps serve at once, the compiled ones (here loaded from the compile cache) take over
     between two steps while requests are in flight."""
     arrivals, shape = random_trial(1)
@@ -240,7 +242,7 @@ def test_with_fixed_shapes_a_rows_logits_are_bit_identical_whatever_else_runs():
         assert torch.equal(mixed, lone)
 
 
-def test_with_fixed_shapes_a_cache_hit_is_bit_identical_to_computing_the_prompt_again():
+def test_with_fixed_shapes_a_cache_hit_is_bit_identical_to_recomputing():
     first = request("a", list(range(100, 114)), 10, seed=2, temperature=1.0)
     second = request("b", first.prompt + alone(first) + [7, 8, 9], 5, seed=3, temperature=0.7)
     warm = ServingEngine(MODEL, TOK, block_size=4, fixed_shapes=True)
@@ -281,7 +283,7 @@ def test_a_prompt_reuses_the_cached_blocks_up_to_where_it_parts(shared, cached):
     assert engine.scheduler.prompt_tokens_computed == len(first) + len(second) - cached
 
 
-def test_a_second_chat_turn_reuses_the_first_turns_blocks_and_gives_a_full_prefills_tokens():
+def test_a_second_chat_turn_reuses_blocks_and_gives_a_full_prefills_tokens():
     system, user1, user2 = list(range(400, 410)), [11, 12, 13], [21, 22]
     turn1 = request("turn1", system + user1, 9, seed=7, temperature=0.9, top_p=0.9)
     engine = ServingEngine(MODEL, TOK, block_size=4)
@@ -295,7 +297,7 @@ def test_a_second_chat_turn_reuses_the_first_turns_blocks_and_gives_a_full_prefi
     assert tokens(events["turn2"]) == tokens(full["turn2"]) == alone(turn2)
 
 
-def test_conversations_sharing_a_system_prompt_compute_it_once_even_when_they_arrive_together():
+def test_conversations_sharing_a_system_prompt_compute_it_once():
     system = list(range(500, 512))  # three blocks of 4
     chats = [request(f"c{i}", system + [600 + i, 700 + i], 8, seed=i, **KNOBS[i % len(KNOBS)]) for i in range(6)]
     engine = ServingEngine(MODEL, TOK, max_rows=8, block_size=4)
@@ -305,7 +307,7 @@ def test_conversations_sharing_a_system_prompt_compute_it_once_even_when_they_ar
     assert all(tokens(events[c.id]) == alone(c) for c in chats)
 
 
-def test_two_requests_sharing_a_prefix_run_side_by_side_the_second_on_the_firsts_blocks():
+def test_two_requests_sharing_a_prefix_run_together_on_the_same_blocks():
     prefix = list(range(800, 808))
     a = request("a", prefix + [1, 2, 3], 12, seed=1, temperature=1.0)
     b = request("b", prefix + [4, 5], 12, seed=2, temperature=1.0)
@@ -419,15 +421,15 @@ def test_an_engine_of_a_shape_that_cannot_be_is_refused(settings, message):
         ServingEngine(MODEL, TOK, **settings)
 
 
-class MaskDropped(CachedAttention):
-    """The chunks' attention without their mask, is_causal alone: what SDPA computed before torch 2.14 when
-    handed both (2.14 refuses both)."""
+class MaskDropped(RowAttention):
+    """The chunks' attention without their mask, is_causal=T > 1 alone: what SDPA computed before torch 2.14
+    when handed both (2.14 refuses both)."""
 
     def attend(self, q, k, v, is_causal, attn_mask=None):
-        return super().attend(q, k, v, is_causal)
+        return super().attend(q, k, v, q.shape[2] > 1)
 
 
-def test_prompt_chunks_after_cached_positions_compute_what_one_prefill_does_and_need_their_mask():
+def test_prompt_chunks_after_cached_positions_equal_one_prefill_with_a_mask():
     """Three chunks of other lengths, each after positions already in its row, in one forward: the logits of
     each prompt's last token are the lesson's prefill of the whole prompt. Without the chunks' mask (is_causal
     alone, SDPA's top-left mask) they compute something else."""
@@ -441,9 +443,9 @@ def test_prompt_chunks_after_cached_positions_compute_what_one_prefill_does_and_
         with torch.inference_mode():
             prompt_step(model, rows, [(row, p[:cut], 0) for row, (p, cut) in enumerate(zip(prompts, cuts))])
             return prompt_step(model, rows, [(row, p[cut:], cut) for row, (p, cut) in enumerate(zip(prompts, cuts))])
-    masked = with_masked_attention(MODEL)
+    masked = with_row_attention(MODEL)
     assert torch.allclose(chunked(masked), want, atol=1e-3 * want.abs().max().item())
-    dropped = with_masked_attention(MODEL)
+    dropped = with_row_attention(MODEL)
     for block in dropped.blocks:
         block.attn.__class__ = MaskDropped
     assert not torch.allclose(chunked(dropped), want, atol=1e-1 * want.abs().max().item())
@@ -451,7 +453,7 @@ def test_prompt_chunks_after_cached_positions_compute_what_one_prefill_does_and_
     assert [p.data_ptr() for p in masked.parameters()] == [p.data_ptr() for p in MODEL.parameters()]
 
 
-def test_text_holds_back_a_partial_character_and_a_possible_stop_and_flushes_at_the_end():
+def test_text_holds_back_partial_characters_and_stops_and_flushes_at_the_end():
     east = "東".encode()  # three bytes, each a token of its own (ids 0..255 are the bytes)
     stream = TextStream(TOK.vocab)
     assert [stream.push(b) for b in east] == ["", "", "東"]
@@ -474,7 +476,7 @@ def test_the_interface_the_server_reads():
     assert blocks_for_bytes(MODEL, engine.scheduler.store.nbytes(), 16) == engine.scheduler.prefix.n_blocks
 
 
-def test_the_prefix_cache_evicts_the_least_recently_used_first_and_a_chains_tail_before_its_head():
+def test_the_prefix_cache_evicts_least_recently_used_and_tails_first():
     prefix = PrefixCache(4)
     digests = digests_of([1, 2, 3, 4, 5, 6], 2)
     assert digests_of([1, 2, 3, 4, 9, 9], 2)[:2] == digests[:2] and digests_of([9, 2, 3, 4], 2)[1] != digests[1]
@@ -486,7 +488,7 @@ def test_the_prefix_cache_evicts_the_least_recently_used_first_and_a_chains_tail
     assert prefix.match(digests) == chain[:2]  # the head and middle still reachable
 
 
-def test_serving_check_on_the_shipped_checkpoint_finds_every_request_equal_to_the_engine_alone(monkeypatch, capsys):
+def test_serving_check_finds_every_request_equal_to_the_engine_alone(monkeypatch, capsys):
     """The command docs/serving_engine.md quotes, small: two-turn chats through one engine, each request checked
     against the Engine alone (it exits 1 naming the request where they differ)."""
     from engines import serving_check

@@ -1,7 +1,7 @@
 """engines/runner.py: the step for B rows runs over the smallest size that holds them, made once and kept, and
 CUDA's way (torch.compile, every slot attended behind the mask) gives the lesson's tokens, checked on a CPU."""
 
-from conftest import PROMPT, small
+from helpers import PROMPT, small
 from engines.fast_engine import FastEngine
 from engines.runner import StepRunner, batch_sizes
 from prefill_clone import Engine

@@ -13,7 +13,7 @@ import pytest
 
 import bpe as bpe_module
 from bpe import BPE, SPLIT_PATTERN
-from conftest import INPUTS, ROOT, TEXT, assert_refused, run_main, sha256, special_input
+from helpers import INPUTS, ROOT, TEXT, assert_refused, run_main, sha256, special_input
 
 def naive_train(text, n_merges):
     """Part 1 trained the slow way: recount every pair for every merge."""

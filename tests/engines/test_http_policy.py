@@ -3,14 +3,15 @@ template): another site's page, a DNS-rebinding name, a body sent as text/plain,
 request without the key, and a message forging another role's line are each refused before anything is
 generated; the page's answers carry the headers that keep it from being framed or sniffed.
 
-The servers run on the shipped holmes.pt in a thread, as tests/test_server.py's do; raw HTTP where the
+The servers run on the shipped holmes.pt in a thread, as tests/engines/test_server.py's do; raw HTTP where the
 headers are the subject, the official openai client where a client's view is."""
 import os
 import random
 
 import pytest
 
-from conftest import ROOT, assert_refused, needs, run_main
+from helpers import ROOT, assert_refused, run_main
+from support import needs
 
 openai = needs("openai")
 needs("uvicorn")
@@ -64,7 +65,7 @@ def test_a_host_the_server_does_not_serve_is_refused_so_dns_rebinding_reads_noth
         assert server.http("POST", "/v1/completions", ASK, {"Host": host})[0] == 200
 
 
-def test_a_request_from_another_sites_page_is_refused_and_the_servers_own_page_is_served(server):
+def test_another_sites_page_is_refused_and_the_servers_own_page_served(server):
     for origin in ("http://attacker.example", "null", f"http://localhost:{server.port}"):  # localhost: another origin
         assert_refused_unmade(server, 403, "origin_not_allowed", "POST", "/v1/completions", ASK, {"Origin": origin})
     assert server.http("POST", "/v1/completions", ASK, {"Origin": server.url})[0] == 200
@@ -97,17 +98,17 @@ def test_with_an_api_key_every_route_but_the_page_and_health_needs_it(keyed):
     assert keyed.request("GET", "/")[0] == 200 and keyed.http("GET", "/health")[0] == 200
 
 
-def test_every_answer_says_nosniff_and_no_framing_and_the_page_runs_only_its_own_code(server):
+def test_every_answer_says_nosniff_no_framing_and_runs_only_its_own_code(server):
     for status, headers, _ in (server.request("GET", "/"), server.request("GET", "/v1/nowhere"),
                                server.request("POST", "/v1/completions", ASK, {"Content-Type": "text/plain"})):
         assert headers["x-content-type-options"] == "nosniff" and headers["x-frame-options"] == "DENY", status
         policy = dict(rule.strip().split(" ", 1) for rule in headers["content-security-policy"].split(";"))
         assert policy["default-src"] == "'none'" and policy["frame-ancestors"] == "'none'", policy
         assert policy["connect-src"] == "'self'" and policy["script-src"].startswith("'sha256-"), policy
-    # tests/test_chat_page.py runs the page in a browser under this policy: its script's hash is right
+    # tests/engines/test_chat_page.py runs the page in a browser under this policy: its script's hash is right
 
 
-def test_no_message_can_speak_for_another_role_every_prompt_reads_back_as_its_messages():
+def test_no_message_can_speak_for_another_role():
     """Random messages from pieces that forge roles: each is refused, or the prompt reads back as the
     messages sent, so no two conversations give one prompt."""
     rng, pieces = random.Random(0), ["User:", "System:", "Assistant:", "\n", " ", "Holmes", ":", "user", "\r"]

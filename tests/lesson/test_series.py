@@ -6,13 +6,14 @@ reference written here from what the series says the call does.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cached
 import model as model_py
 from bpe import BPE
-from cached import CachedGPT, Config, TrimAfter, load
-from checks import load_checkpoint
-from conftest import SMALL
+from cached import CachedGPT, Config, load
+from checkpoint import load_checkpoint
+from helpers import SMALL
 from sample_grid import SETTINGS
 from sampling import pick
 
@@ -76,25 +77,39 @@ def test_full_window_dicts_hold_2_x_layers_x_tokens_x_d_model_x_4_bytes(shipped)
 def test_past_the_window_the_dicts_append_and_trim_in_the_posts_order(small_model):
     idx = torch.randint(SMALL.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
     by_dicts, dicts = decode_with_dicts(small_model, idx, 60, lambda logits, _: logits.argmax(-1))
-    # The post attends to the kept keys plus the new one, then trims: TrimAfter, not trim-first.
-    assert torch.equal(by_dicts, small_model.generate_cached(idx, 60, cache=TrimAfter))
+    # The post attends to the kept keys plus the new one, then trims, as generate_cached does.
+    assert torch.equal(by_dicts, small_model.generate_cached(idx, 60))
     assert all(d["k"].shape[2] == d["v"].shape[2] == SMALL.context for d in dicts)
-    with pytest.raises(ValueError, match="one token per step"), torch.no_grad():
+    with pytest.raises(AssertionError, match="one token at a time"), torch.no_grad():
         small_model.step(idx, dicts, 65)
 
 
-def test_a_dict_and_a_trim_after_cache_give_the_same_attention_and_keep_the_same_keys(small_model):
-    store, kept = {}, TrimAfter(SMALL.context)
+def posts_attention(attn, x, cache, start):
+    """The post's CachedAttention.forward as printed, on attn's weights."""
+    B, T, C = x.shape
+    q, k, v = attn.qkv(x).split(C, dim=-1)
+    q, k, v = (t.view(B, T, attn.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+    q, k = model_py.rope_at(q, start), model_py.rope_at(k, start)
+    if "k" in cache:
+        k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+    cache["k"], cache["v"] = k[:, :, -attn.context:], v[:, :, -attn.context:]
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+    return attn.out(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_the_attention_on_a_dict_computes_and_keeps_what_the_posts_forward_does(small_model):
+    mine, posts = {}, {}
     attention = small_model.blocks[0].attn
     x = torch.randn(1, 40, SMALL.d_model, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         for start, end in ((0, 30), (30, 31), (31, 32), (32, 33), (33, 34)):
-            assert torch.equal(attention(x[:, start:end], store, start), attention(x[:, start:end], kept, start))
-    assert torch.equal(store["k"], kept.k) and torch.equal(store["v"], kept.v)
-    assert store["k"].shape[2] == SMALL.context
+            got, want = attention(x[:, start:end], mine, start), posts_attention(attention, x[:, start:end], posts, start)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert torch.equal(mine["k"], posts["k"]) and torch.equal(mine["v"], posts["v"])
+    assert mine["k"].shape[2] == SMALL.context
 
 
-def test_a_random_default_model_decodes_a_batch_of_16_the_same_with_and_without_the_cache():
+def test_a_random_model_decodes_16_rows_the_same_with_and_without_cache():
     # Part 4's bench.py: CachedGPT(Config()), an 8-token random prompt, greedy, batch 16.
     torch.manual_seed(0)
     model = CachedGPT(Config()).eval()

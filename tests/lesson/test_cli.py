@@ -1,5 +1,4 @@
 """cli.py: nothing lost, nothing read forever, one line for every refusal, progress that suits its reader."""
-import ast
 import errno
 import functools
 import hashlib
@@ -20,7 +19,7 @@ import pytest
 import bench
 import bpe as bpe_module
 import cached
-import checks
+import checkpoint
 import cli
 import files
 import train as train_module
@@ -28,8 +27,8 @@ from bpe import BPE
 from cli import run_cli, show_progress
 from files import atomic_write, check_input, check_output
 from errors import BadPath, BadValue
-from conftest import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, exit_status, run_main, small_and_fast,
-                      train)
+from helpers import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, exit_status, run_main,
+                     small_and_fast, train)
 
 
 
@@ -38,7 +37,7 @@ def sha(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def test_atomic_write_never_writes_through_a_link_or_a_file_named_like_the_old_temporary(tmp_path):
+def test_atomic_write_never_writes_through_a_link_or_an_old_temporarys_name(tmp_path):
     victim, linked = tmp_path / "victim.txt", tmp_path / "linked.txt"
     victim.write_text("a user's notes")
     linked.write_text("what the link points at")
@@ -107,7 +106,7 @@ def test_a_path_with_a_newline_is_quoted_so_the_message_stays_one_line(tmp_path)
     (lambda path: check_input(path, "checkpoint", 2**20), None),  # missing
     (lambda path: check_input(path, "checkpoint", 2**20), "folder"),
     (lambda path: check_input(path, "checkpoint", 1), b"too long"),
-    (lambda path: checks.load_checkpoint(path), b"not a checkpoint"),
+    (lambda path: checkpoint.load_checkpoint(path), b"not a checkpoint"),
     (BPE.load, b"{not json"),
     (bpe_module.read_corpus, b"\xff not UTF-8"),
 ], ids=["missing", "folder", "too-large", "checkpoint", "tokenizer", "corpus"])
@@ -122,10 +121,7 @@ def test_every_message_naming_an_input_path_quotes_a_newline_in_it(tmp_path, rea
     assert repr(str(odd)) in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
 
-@pytest.mark.parametrize("links", ["hard links", "no hard links"])
-def test_a_write_without_force_lands_where_nothing_stands_and_leaves_nothing_else(tmp_path, monkeypatch, links):
-    if links == "no hard links":  # link(2) on FAT and some FUSE mounts: the name is taken with O_EXCL instead
-        monkeypatch.setattr(cli.os, "link", lambda *args, **kwargs: raise_(OSError(errno.EPERM, "not permitted")))
+def test_a_write_without_force_lands_where_nothing_stands_and_leaves_nothing_else(tmp_path):
     with atomic_write(tmp_path / "new.txt", "w") as f:
         f.write("new")
     assert (tmp_path / "new.txt").read_text() == "new" and os.listdir(tmp_path) == ["new.txt"]
@@ -191,7 +187,7 @@ class FailingStdout(io.StringIO):
     (errno.ENOSPC, "prog.py: error: cannot write to standard output: No space left on device"),
     (errno.EIO, "prog.py: error: cannot write to standard output: Input/output error"),
 ])
-def test_a_closed_or_failing_stdout_ends_quietly_or_in_one_line_naming_it(monkeypatch, code, status, failing):
+def test_a_closed_or_failing_stdout_ends_quietly_or_in_one_line(monkeypatch, code, status, failing):
     monkeypatch.setattr(sys, "argv", ["prog.py"])
     monkeypatch.setattr(sys, "stdout", FailingStdout(failing, code))
     with pytest.raises(SystemExit) as exit:
@@ -226,27 +222,7 @@ def test_a_full_or_closed_stdout_ends_without_exception_ignored(script, stdout):
         assert (proc.returncode, err) == (141, "")
 
 
-def test_what_stops_a_script_before_its_main_is_one_line_and_a_bug_keeps_its_traceback(tmp_path):
-    """A new interpreter: cli's import, before any main, is the subject. A package of requirements.txt that is
-    missing and a working folder that is gone are one line each; an error of the program itself is a bug."""
-    heads = f"import sys\nsys.path.insert(0, {ROOT!r})\n"
-    (tmp_path / "prog.py").write_text(heads + "import importlib.util\nreal = importlib.util.find_spec\n"
-                                      "importlib.util.find_spec = lambda name, *a: None if name == 'regex' else real(name, *a)\n"
-                                      "import cli\n")
-    run = subprocess.run([sys.executable, "prog.py"], cwd=tmp_path, capture_output=True, text=True)
-    assert (run.returncode, run.stderr) == (1, "prog.py: error: cannot import regex; pip install -r requirements.txt\n")
-    gone = tmp_path / "gone"
-    gone.mkdir()
-    (tmp_path / "prog.py").write_text(heads + f"import os\nos.chdir({str(gone)!r})\nos.rmdir({str(gone)!r})\nimport cli\n")
-    run = subprocess.run([sys.executable, str(tmp_path / "prog.py")], cwd=tmp_path, capture_output=True, text=True)
-    assert (run.returncode, run.stderr) == (
-        1, "prog.py: error: the working folder no longer exists; cd into one that does and run again\n")
-    (tmp_path / "prog.py").write_text(heads + "import cli\nraise ValueError('a bug of the program that imported cli')\n")
-    run = subprocess.run([sys.executable, "prog.py"], cwd=tmp_path, capture_output=True, text=True)
-    assert run.returncode == 1 and run.stderr.startswith("Traceback") and "a bug of the program" in run.stderr
-
-
-def test_run_cli_says_bad_input_in_one_line_and_lets_any_other_error_keep_its_traceback(monkeypatch):
+def test_run_cli_says_bad_input_in_one_line_and_a_bug_keeps_its_traceback(monkeypatch):
     def refusing():
         raise BadValue("--tokens must be at least 1, got 0")
 
@@ -262,7 +238,7 @@ def test_no_exception_hook_is_installed_by_importing_the_edge():
 
 
 @pytest.mark.parametrize("command, name", [("model.py", "model.py"), ("cached.py --help", "cached.py"),
-                                           ("-m engines.fast_engine --help", "fast_engine.py")])
+                                           ("prefill_clone.py --help", "prefill_clone.py")])
 def test_a_script_started_with_standard_output_closed_says_so_in_one_line(command, name):
     """A new interpreter: a standard output closed before it starts (>&-) is the subject."""
     run = subprocess.run(f"{sys.executable} {command} >&-", shell=True, cwd=ROOT, capture_output=True, text=True)
@@ -276,31 +252,6 @@ def test_the_lessons_files_import_nothing_of_the_command_line():
                          cwd=ROOT, capture_output=True, text=True)
     # model.py and sampling.py need no command line; speed is applied from outside: the lesson never imports it
     assert run.stdout.split() == ["False", "False"], run.stderr
-
-
-SCRIPTS = ["bench.py", "bpe.py", "cached.py", "export.py", "engines/matmul.py", "engines/fast_engine.py",
-           "prefill_clone.py", "sample_grid.py", "serve.py", "train.py"]  # model.py and sampling.py, the lesson's, import cli only in their main
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_script_imports_cli_before_any_module_that_may_import_torch(script):
-    """What makes what stops a script before its main one line (cli.check_start, shown for real above):
-    its first import of torch or of a module of this repo (any of which may import torch) is cli's."""
-    imports = [node for node in ast.parse(open(os.path.join(ROOT, script)).read()).body
-               if isinstance(node, (ast.Import, ast.ImportFrom))]
-    names = [alias.name if isinstance(node, ast.Import) else node.module for node in imports for alias in (
-        node.names if isinstance(node, ast.Import) else node.names[:1])]
-    top = [name.split(".")[0] for name in names]
-    assert next(name for name in top if name == "torch" or os.path.exists(os.path.join(ROOT, name + ".py"))) == "cli"
-
-
-@pytest.mark.parametrize("script", ["cached.py"])
-def test_a_script_says_a_bad_torch_logs_in_one_line(script):
-    """A new interpreter: the import of torch, before any main, is the subject."""
-    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "TORCH_LOGS": "bogus"})
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
-        1, "", f"{script}: error: TORCH_LOGS='bogus' is not a setting torch knows; unset it, or see TORCH_LOGS=help\n")
 
 
 def test_sigterm_mid_write_removes_the_temporary_file_and_ends_in_one_line(tmp_path):
@@ -381,7 +332,7 @@ def test_cached_py_logs_a_plain_progress_line_every_ten_seconds_at_most(monkeypa
     assert len(lines) <= (clock.now - started) / cli.LOG_EVERY and "\r" not in log.getvalue()
 
 
-# Nothing lost, for every script that writes a file: bpe.py, train.py, bench.py (export.py: tests/test_export.py)
+# Nothing lost, for every script that writes a file: bpe.py, train.py, bench.py (export.py: tests/engines/test_export.py)
 
 def state(path):
     """What stands at `path`, to compare before and after: a link and where it points, a pipe, a file's bytes."""
@@ -461,14 +412,11 @@ APPEARING = {
 }
 
 
-@pytest.mark.parametrize("links", ["hard links", "no hard links"])
 @pytest.mark.parametrize("kind", APPEARING)
 @pytest.mark.parametrize("script", OUTPUT)
 def test_what_appears_at_an_output_during_the_run_is_never_replaced_without_force(
-        script, kind, links, tmp_path, finished, monkeypatch, capsys, shipped_unchanged):
+        script, kind, tmp_path, finished, monkeypatch, capsys, shipped_unchanged):
     target = tmp_path / OUTPUT[script]
-    if links == "no hard links":  # link(2) on FAT and some FUSE mounts
-        monkeypatch.setattr(cli.os, "link", lambda *args, **kwargs: raise_(OSError(errno.EPERM, "not permitted")))
     made = []
     run = run_writer(script, tmp_path, monkeypatch=monkeypatch, capsys=capsys,
                      during=lambda: (APPEARING[kind](target), made.append(state(target))), ids_from=finished)

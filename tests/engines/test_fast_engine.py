@@ -1,16 +1,20 @@
 """engines/fast_engine.py: FastEngine gives the lesson's tokens with every kernel, dtype and step form, and its
 command refuses what it cannot honour in one line."""
+import threading
+
 import pytest
 import torch
 
-import test_prefill_clone
 from bpe import BPE
-from cached import load
-from conftest import PROMPT, SMALL, assert_refused, keys_attended, prompts, run_main, small
+from cached import CachedGPT, load
+from helpers import (PROMPT, SMALL, assert_refused, keys_attended, prompts, ring_gives_a_trim_first_caches_logits_for_600_steps,
+                     run_main, small)
 from engines import fast_engine
 from engines.decode_step import GraphCache
 from engines.fast_engine import FastEngine
 from engines.matmul import KERNELS
+from engines.rope import with_row_attention
+from model import Config
 from prefill_clone import Engine
 from sample_grid import SETTINGS, grid
 
@@ -63,13 +67,14 @@ def test_cli_prints_the_samples_and_one_line_of_timing(dtype, monkeypatch, capsy
     assert last.startswith("prompt 21 tokens, 2 samples x 4 tokens: first token in ") and f" threads, {dtype}" in last
 
 
-def test_the_graph_safe_ring_past_the_window_gives_cached_py_logits_for_600_steps():
-    test_prefill_clone.test_ring_past_the_window_gives_cached_py_logits_for_600_steps(GraphCache, known_pos=False)
+def test_the_graph_safe_ring_past_the_window_gives_trim_first_logits():
+    ring_gives_a_trim_first_caches_logits_for_600_steps(GraphCache, with_row_attention)
 
 
 def test_a_graph_safe_step_past_the_window_attends_exactly_context_keys(monkeypatch):
     model, feed = small(), prompts(1, 50, SMALL.vocab_size)
     cache = GraphCache.for_model(model, 1, SMALL.context)
+    model = with_row_attention(model)
     with torch.inference_mode():
         model.step(feed[:, :10], cache, 0)
         seen = keys_attended(monkeypatch)
@@ -79,7 +84,7 @@ def test_a_graph_safe_step_past_the_window_attends_exactly_context_keys(monkeypa
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_the_grid_in_a_lower_precision_gives_eight_rows_and_greedy_starts_as_float32_does(dtype):
+def test_a_lower_precision_grid_gives_eight_rows_and_float32s_greedy_start(dtype):
     model, tokens = load("holmes.pt"), BPE.load("tokenizer.json").encode("Holmes")
     rows = grid(FastEngine(model, dtype=dtype), tokens, 10, seed=1)
     assert list(rows) == list(SETTINGS) and all(len(r) == 10 for r in rows.values())
@@ -97,7 +102,7 @@ def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, mon
     assert message in run[2] and run[1] == ""
 
 
-def test_the_weights_checksum_reads_a_parameter_that_starts_inside_a_word_and_sees_a_swap_in_it():
+def test_the_weights_checksum_sees_a_swap_inside_an_unaligned_parameter():
     p = torch.nn.Parameter(torch.randn(41)[1:].view(10, 4))  # a view one float32 into its storage
     before = fast_engine.checksum(p)
     with torch.no_grad():
@@ -129,3 +134,40 @@ def test_weights_changed_any_way_after_the_engine_was_made_are_refused(dtype, ch
             w.mul_(1.01)
     with pytest.raises(ValueError, match="the model's weights changed after this Engine was made"):
         engine.generate_batch(PROMPT, 2, max_tokens=3, temperature=0)
+
+
+TINY = Config(vocab_size=300, d_model=32, n_heads=2, n_layers=1, context=16)
+
+
+def test_a_fast_engine_refuses_a_model_with_a_block_in_training_mode():
+    model = CachedGPT(TINY).eval()
+    model.blocks[-1].train()
+    with pytest.raises(ValueError, match="call model.eval.. first"):
+        FastEngine(model).generate_batch([1, 2], 1, max_tokens=3)
+
+
+def test_a_bfloat16_engine_refuses_once_the_models_weights_change():
+    model = CachedGPT(TINY).eval()
+    engine = FastEngine(model, dtype=torch.bfloat16)
+    engine.generate_batch([1, 2], 1, max_tokens=3, temperature=0)
+    with torch.no_grad():
+        model.head.weight.mul_(2)
+    with pytest.raises(ValueError, match="the model's weights changed after this Engine was made"):
+        engine.generate_batch([1, 2], 1, max_tokens=3, temperature=0)
+
+
+def test_two_engines_in_two_threads_leave_the_model_as_it_was():
+    model = CachedGPT(TINY).eval()
+    alone = Engine(model).generate_batch([1, 2], 2, max_tokens=8, temperature=0)[0]
+    results = []
+
+    def run(kernel):
+        results.append(FastEngine(model, kernel=kernel).generate_batch([1, 2], 2, max_tokens=8, temperature=0)[0])
+    threads = [threading.Thread(target=run, args=(k,)) for k in ("nn", "split")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [alone, alone]
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if "Linear" in type(m).__name__)
+    assert all(p.requires_grad for p in model.parameters())

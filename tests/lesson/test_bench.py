@@ -10,24 +10,8 @@ import pytest
 import torch
 
 import bench
-import timing
-from conftest import PROMPT, assert_refused, run_main, small
-
-
-def read_by(keys):
-    """The keys timing.put_bandwidth adds beside each tok/s figure."""
-    return {k + suffix for k in keys for suffix in ("_step_bytes", "_bandwidth_share")}
-
-
-def positive_numbers(node, path="report"):
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from positive_numbers(v, f"{path}.{k}")
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from positive_numbers(v, f"{path}[{i}]")
-    elif isinstance(node, (int, float)) and not isinstance(node, bool):
-        yield path, node
+import figures
+from helpers import PROMPT, assert_refused, run_main, small
 
 
 @pytest.mark.parametrize("args, message", [
@@ -74,7 +58,7 @@ def test_the_default_run_prints_the_posts_table_first_and_runs_no_other_table(tm
     status, out, err = run_main(bench.main, ["bench.py", "--json", tmp_path / "bench.json"], monkeypatch, capsys)
     assert status == 0, err
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["tables"] == ["0"] and report["machine"]["cpu"] == timing.machine(torch.device("cpu"))["cpu"]
+    assert report["tables"] == ["0"] and report["machine"]["cpu"] == figures.machine(torch.device("cpu"))["cpu"]
     rows = report["post"]["rows"]
     assert [(r["batch"], r["tokens"]) for r in rows] == [(1, 8), (1, 12), (2, 8), (2, 12)]
     assert all(r["no_cache"] > 0 and r["cache"] > 0 and 0 < r["cache_bandwidth_share"] for r in rows)
@@ -131,22 +115,22 @@ def test_the_bytes_a_step_reads_are_every_weight_once_and_the_cache_it_attends_t
     positions = list(range(8, 32)) + [32] * 16
     per_position = 2 * layers * kv_width  # keys and values of every layer, one row, one position, in values
     mean = sum(positions) / len(positions)
-    assert timing.bytes_per_step(model, 3, 40) == pytest.approx(params * 4 + 3 * per_position * 4 * mean)
+    assert figures.bytes_per_step(model, 3, 40) == pytest.approx(params * 4 + 3 * per_position * 4 * mean)
     # uncached, a step recomputes its keys: the weights alone, whatever the batch
-    assert timing.bytes_per_step(model, 3, 40, cached=False) == params * 4
+    assert figures.bytes_per_step(model, 3, 40, cached=False) == params * 4
     # a cache kept in another dtype than the weights (llama.cpp's f16)
-    assert timing.bytes_per_step(model, 3, 40, cache_dtype=torch.float16) == pytest.approx(
+    assert figures.bytes_per_step(model, 3, 40, cache_dtype=torch.float16) == pytest.approx(
         params * 4 + 3 * per_position * 2 * mean)
     # in bfloat16, weights and cache both two bytes a value
     half = copy.deepcopy(model).to(torch.bfloat16)
-    assert timing.bytes_per_step(half, 3, 40) == pytest.approx(params * 2 + 3 * per_position * 2 * mean)
+    assert figures.bytes_per_step(half, 3, 40) == pytest.approx(params * 2 + 3 * per_position * 2 * mean)
     # untied, the head reads its own table whole and the lookup reads one row of the embedding per row
     model.head.weight = torch.nn.Parameter(model.emb.weight.detach().clone())
-    assert timing.bytes_per_step(model, 3, 40) == pytest.approx((params + 3 * d) * 4 + 3 * per_position * 4 * mean)
+    assert figures.bytes_per_step(model, 3, 40) == pytest.approx((params + 3 * d) * 4 + 3 * per_position * 4 * mean)
 
 
 def test_the_bandwidth_measure_is_a_positive_finite_rate():
-    assert 0 < timing.read_bandwidth(torch.device("cpu")) < math.inf
+    assert 0 < figures.read_bandwidth(torch.device("cpu")) < math.inf
 
 
 def test_the_clone_and_a_prompt_per_row_fill_the_same_cache():

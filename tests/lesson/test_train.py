@@ -15,10 +15,10 @@ import torch
 import train as train_module
 from bpe import BPE
 from files import check_output
-from checks import load_checkpoint
+from checkpoint import load_checkpoint
 from model import GPT
-from conftest import (CORPUS, INPUTS, ROOT, RUN_FILES, TINY, TOKENIZER, assert_refused, copy_run, in_process, run_main,
-                      sha256, small_and_fast, special_input, train)
+from helpers import (CORPUS, INPUTS, ROOT, RUN_FILES, TINY, TOKENIZER, assert_refused, copy_run, in_process,
+                     run_main, sha256, small_and_fast, special_input, train)
 from train import lr_at
 
 class Killed(BaseException):
@@ -60,7 +60,7 @@ def test_schedule_warms_up_then_decays_to_a_tenth():
     assert lr_at(mid, 1500, 1e-3) == pytest.approx(1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 2))))
 
 
-def test_a_run_writes_a_part3_checkpoint_recording_its_tokenizer_a_csv_and_its_identity(finished,
+def test_a_run_writes_a_part3_checkpoint_its_tokenizer_record_and_a_csv(finished,
                                                                                          killed_after_last_step):
     ckpt = torch.load(finished / "run.pt", weights_only=True)
     assert set(ckpt) == {"model", "config", "step", "tokenizer"} and ckpt["step"] == 1

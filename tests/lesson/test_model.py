@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import cached
 import model
 from cli import device_from
-from checks import load_checkpoint, parameter_count, save_checkpoint
+from checkpoint import load_checkpoint, parameter_count, save_checkpoint
 from model import GPT, Config, check_finite
-from conftest import PART3_CONFIG, assert_refused, part3_state_dict, run_main
+from helpers import PART3_CONFIG, assert_refused, part3_state_dict, run_main
 
 def reference_forward(sd, cfg, idx):
     """The forward pass written out by hand, RoPE as complex rotation, mask as -inf."""
@@ -93,7 +93,7 @@ def test_model_py_prints_the_budget(monkeypatch, capsys):
     assert "5,781,504" in out
 
 
-def test_model_py_help_prints_help_without_the_self_check_and_an_unknown_flag_is_one_line(monkeypatch, capsys):
+def test_model_py_help_skips_the_self_check_and_a_bad_flag_is_one_line(monkeypatch, capsys):
     status, out, _ = run_main(model.main, ["model.py", "--help"], monkeypatch, capsys)
     assert status == 0 and out.startswith("usage: model.py") and "5,781,504" not in out
     assert_refused(run_main(model.main, ["model.py", "--stpes", "3"], monkeypatch, capsys),
@@ -124,7 +124,7 @@ def test_generate_reruns_the_last_context_tokens_for_every_new_token():
         expected = reference_forward(sd, cfg, idx[:, -8:])[:, -1]
         torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
     assert torch.equal(out[:, 3:], torch.stack([l.argmax(-1) for l, _ in seen], dim=1))
-    with pytest.raises(ValueError, match="exceed the context"):
+    with pytest.raises(AssertionError, match="more tokens than the context"):
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
@@ -279,7 +279,7 @@ def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused(tmp_path):
         load_checkpoint(tmp_path / "k.pt")
 
 
-def test_a_huge_config_in_a_tiny_file_is_one_line_from_a_script_before_anything_is_built(tmp_path, monkeypatch,
+def test_a_huge_config_in_a_tiny_file_is_refused_before_anything_is_built(tmp_path, monkeypatch,
                                                                                           capsys):
     torch.save({"model": {}, "config": dict(PART3_CONFIG, d_model=65536), "step": 0}, tmp_path / "huge.pt")
     assert (tmp_path / "huge.pt").stat().st_size < 2000

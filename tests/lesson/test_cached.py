@@ -8,10 +8,10 @@ import torch
 
 import cached
 from bpe import BPE
-from cached import CachedGPT, LayerCache, TrimAfter, exact_tokens, load
-from checks import save_checkpoint
-from conftest import (PART3_CONFIG, ROOT, SMALL, assert_refused, exit_status, keys_attended, part3_state_dict, prompts,
-                      run_main)
+from cached import CachedGPT, exact_tokens, load
+from checkpoint import save_checkpoint
+from helpers import (PART3_CONFIG, ROOT, SMALL, assert_refused, one_line_exit, keys_attended, part3_state_dict,
+                     prompts, run_main)
 from model import GPT, Config, rope_at
 from prefill_clone import KVCache
 
@@ -46,13 +46,6 @@ def test_rope_at_rotates_pairs_at_the_true_positions(start):
     torch.testing.assert_close(rope_at(x, start), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_rope_at_with_one_start_per_row_rotates_each_row_at_its_own_position():
-    x = torch.randn(3, 4, 1, 16)
-    got = rope_at(x, torch.tensor([0, 5, 260]))
-    for row, start in enumerate((0, 5, 260)):
-        torch.testing.assert_close(got[row], reference_rope(x[row], torch.tensor([start])), atol=1e-4, rtol=1e-4)
-
-
 def test_cached_model_loads_part3_weights_unchanged(random_model):
     plain = GPT(SMALL).eval()
     plain.load_state_dict(random_model.state_dict(), strict=True)
@@ -62,7 +55,7 @@ def test_cached_model_loads_part3_weights_unchanged(random_model):
 
 def test_step_logits_match_the_full_forward(random_model):
     idx = prompts(3, 20, SMALL.vocab_size)
-    caches = [LayerCache(SMALL.context) for _ in random_model.blocks]
+    caches = [{} for _ in random_model.blocks]
     with torch.no_grad():
         full = random_model(idx)[0]
         torch.testing.assert_close(random_model.step(idx[:, :12], caches, 0), full[:, 11], atol=1e-5, rtol=1e-5)
@@ -104,11 +97,9 @@ def test_the_head_runs_once_for_the_prompt_and_once_per_generated_token(random_m
         handle.remove()
 
 
-@pytest.mark.parametrize("cache", ["rolling", "ring"])
-def test_a_step_past_the_window_attends_exactly_context_keys(random_model, monkeypatch, cache):
+def test_a_ring_step_past_the_window_attends_exactly_context_keys(random_model, monkeypatch):
     feed = prompts(1, 50, SMALL.vocab_size)
-    caches = [LayerCache(SMALL.context) for _ in random_model.blocks] if cache == "rolling" else \
-        KVCache.for_model(random_model, 1, SMALL.context)
+    caches = KVCache.for_model(random_model, 1, SMALL.context)
     with torch.inference_mode():
         random_model.step(feed[:, :10], caches, 0)
         seen = keys_attended(monkeypatch)
@@ -120,7 +111,7 @@ def test_a_step_past_the_window_attends_exactly_context_keys(random_model, monke
 
 def test_the_posts_order_attends_context_plus_1_keys_past_the_window(random_model, monkeypatch):
     feed = prompts(1, 40, SMALL.vocab_size)
-    caches = [TrimAfter(SMALL.context) for _ in random_model.blocks]
+    caches = [{} for _ in random_model.blocks]
     with torch.no_grad():
         random_model.step(feed[:, :32], caches, 0)
         seen = keys_attended(monkeypatch)
@@ -138,14 +129,14 @@ def test_each_gotcha_prints_the_drift_the_docs_show(name, monkeypatch, capsys):
 
 
 def test_bad_counts_and_names_are_refused(monkeypatch):
-    assert one_line_exit(monkeypatch, "cached.py", "--break", "cache") == (
-        "cached.py: error: --break must be one of ['mask', 'rope'], got 'cache'")
-    assert "prompt is empty" in one_line_exit(monkeypatch, "cached.py", "--prompt", "")
-    assert "unknown device 'tpu'" in one_line_exit(monkeypatch, "cached.py", "--device", "tpu")
+    assert one_line_exit(cached.main, monkeypatch, "cached.py", "--break", "cache").startswith(
+        "cached.py: error: argument --break: invalid choice: 'cache' (choose from ")
+    assert "prompt is empty" in one_line_exit(cached.main, monkeypatch, "cached.py", "--prompt", "")
+    assert "unknown device 'tpu'" in one_line_exit(cached.main, monkeypatch, "cached.py", "--device", "tpu")
     if not torch.cuda.is_available():
-        assert "no CUDA GPU" in one_line_exit(monkeypatch, "cached.py", "--device", "cuda")
-    assert "--tokens must be a whole number >= 0, got -5" in one_line_exit(monkeypatch, "cached.py", "--tokens", "-5")
-    assert "(the tokens they keep) needs " in one_line_exit(monkeypatch, "cached.py", "--tokens", str(10**11))
+        assert "no CUDA GPU" in one_line_exit(cached.main, monkeypatch, "cached.py", "--device", "cuda")
+    assert "--tokens must be a whole number >= 0, got -5" in one_line_exit(cached.main, monkeypatch, "cached.py", "--tokens", "-5")
+    assert "(the tokens they keep) needs " in one_line_exit(cached.main, monkeypatch, "cached.py", "--tokens", str(10**11))
 
 
 def test_cli_states_the_real_count_for_a_prompt_longer_than_the_context(tmp_path, random_model, monkeypatch,
@@ -195,14 +186,7 @@ def hostile_checkpoint(path, kind):
 ])
 def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message, monkeypatch):
     hostile_checkpoint(tmp_path / "h.pt", kind)
-    assert message in one_line_exit(monkeypatch, "cached.py", str(tmp_path / "h.pt"))
-
-
-def one_line_exit(monkeypatch, *argv):
-    """Run cached.py's main in this process; the one-line message it exits with (status 1)."""
-    status, message = exit_status(cached.main, argv, monkeypatch)
-    assert status == 1 and len(message.splitlines()) == 1 and message.startswith("cached.py: error: "), message
-    return message.rstrip("\n")
+    assert message in one_line_exit(cached.main, monkeypatch, "cached.py", str(tmp_path / "h.pt"))
 
 
 @pytest.mark.parametrize("content, message", [
@@ -213,7 +197,7 @@ def one_line_exit(monkeypatch, *argv):
 ])
 def test_hostile_tokenizer_files_get_one_line_and_exit_1(tmp_path, content, message, monkeypatch):
     (tmp_path / "t.json").write_text(content)
-    assert message in one_line_exit(monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "t.json"))
+    assert message in one_line_exit(cached.main, monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "t.json"))
 
 
 def overflowing_checkpoint(path):
@@ -227,7 +211,7 @@ def overflowing_checkpoint(path):
 
 def test_scores_that_overflow_stop_the_cached_loop_at_the_first_token(tmp_path, monkeypatch):
     overflowing_checkpoint(tmp_path / "o.pt")
-    message = one_line_exit(monkeypatch, "cached.py", str(tmp_path / "o.pt"))
+    message = one_line_exit(cached.main, monkeypatch, "cached.py", str(tmp_path / "o.pt"))
     assert "scores for new token 0 are NaN or infinite" in message
 
 
@@ -243,7 +227,7 @@ def test_a_tokenizer_other_than_the_recorded_one_is_refused_even_at_the_same_siz
     merges = json.load(open("tokenizer.json"))["merges"]
     merges[-1] = [32, 32] if merges[-1] != [32, 32] else [33, 33]
     (tmp_path / "other.json").write_text(json.dumps({"merges": merges}))
-    message = one_line_exit(monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "other.json"))
+    message = one_line_exit(cached.main, monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "other.json"))
     assert "other.json is not the tokenizer holmes.pt was trained with" in message
 
 
@@ -266,4 +250,4 @@ def test_the_shipped_checkpoint_records_the_shipped_tokenizer(shipped):
     (lambda d: d, "is a folder; give a file"),
 ])
 def test_a_checkpoint_that_would_block_or_never_end_is_refused_without_reading_it(tmp_path, monkeypatch, make, message):
-    assert message in one_line_exit(monkeypatch, "cached.py", str(make(tmp_path)))
+    assert message in one_line_exit(cached.main, monkeypatch, "cached.py", str(make(tmp_path)))

@@ -1,7 +1,6 @@
-"""checks.py: a checkpoint that would quietly build another model, and an Engine asked for what it cannot
-honour, are refused by name, once, at the edge."""
+"""checkpoint.py and checks.py: a checkpoint that would quietly build another model, and an Engine asked for
+what it cannot honour, are refused by name, once, at the edge."""
 import shutil
-import threading
 import zipfile
 
 import pytest
@@ -10,9 +9,8 @@ import torch
 import cli
 import sample_grid
 from cached import CachedGPT
-from checks import load_checkpoint, save_checkpoint
+from checkpoint import load_checkpoint, save_checkpoint
 from cli import check_fits
-from engines.fast_engine import FastEngine
 from model import GPT, Config
 from prefill_clone import Engine
 
@@ -65,13 +63,12 @@ def test_a_compressed_entry_is_refused_before_anything_inflates_it(tmp_path):
 
 
 @pytest.mark.parametrize("left_training", ["the whole model", "one block", "one dropout"])
-@pytest.mark.parametrize("path", ["Engine", "FastEngine", "sample_grid.grid", "generate_cached", "GPT.generate"])
+@pytest.mark.parametrize("path", ["Engine", "sample_grid.grid", "generate_cached", "GPT.generate"])
 def test_every_generate_path_refuses_a_model_with_any_part_in_training_mode(path, left_training):
     model = CachedGPT(SMALL).eval()
     {"the whole model": model, "one block": model.blocks[-1],
      "one dropout": next(m for m in model.modules() if isinstance(m, torch.nn.Dropout))}[left_training].train()
     run = {"Engine": lambda: Engine(model).generate_batch([1, 2], 1, max_tokens=3),
-           "FastEngine": lambda: FastEngine(model).generate_batch([1, 2], 1, max_tokens=3),
            "sample_grid.grid": lambda: sample_grid.grid(Engine(model), [1, 2], 3, 0),
            "generate_cached": lambda: model.generate_cached(torch.tensor([[1, 2]]), 3),
            "GPT.generate": lambda: model.generate(torch.tensor([[1, 2]]), 3)}[path]
@@ -86,34 +83,7 @@ def test_an_engine_refuses_a_request_without_a_bound():
         Engine(CachedGPT(SMALL).eval()).generate_batch([1, 2])
 
 
-def test_a_bfloat16_engine_refuses_once_the_models_weights_change():
-    model = CachedGPT(SMALL).eval()
-    engine = FastEngine(model, dtype=torch.bfloat16)
-    engine.generate_batch([1, 2], 1, max_tokens=3, temperature=0)
-    with torch.no_grad():
-        model.head.weight.mul_(2)
-    with pytest.raises(ValueError, match="the model's weights changed after this Engine was made"):
-        engine.generate_batch([1, 2], 1, max_tokens=3, temperature=0)
-
-
-def test_two_engines_in_two_threads_leave_the_model_as_it_was():
-    model = CachedGPT(SMALL).eval()
-    alone = Engine(model).generate_batch([1, 2], 2, max_tokens=8, temperature=0)[0]
-    results = []
-
-    def run(kernel):
-        results.append(FastEngine(model, kernel=kernel).generate_batch([1, 2], 2, max_tokens=8, temperature=0)[0])
-    threads = [threading.Thread(target=run, args=(k,)) for k in ("nn", "split")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == [alone, alone]
-    assert all(type(m) is torch.nn.Linear for m in model.modules() if "Linear" in type(m).__name__)
-    assert all(p.requires_grad for p in model.parameters())
-
-
-def test_memory_is_checked_where_the_system_says_what_is_available_and_skipped_where_it_does_not(monkeypatch):
+def test_memory_is_checked_where_the_system_says_what_is_available(monkeypatch):
     with pytest.raises(ValueError, match="more than half of this machine's"):
         check_fits(2**60, "a cache", "cpu")
     monkeypatch.delattr(cli.os, "sysconf")  # as on native Windows

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import sampling
-from conftest import COMPILED_ROWS, PROMPT
+from helpers import PROMPT
+from support import COMPILED_ROWS
 from engines.compile_ways import compiler_missing
 from engines import fast_engine
 from engines.fast_engine import FastEngine
@@ -14,8 +15,8 @@ from prefill_clone import Engine
 VOCAB = 300
 KNOBS = [dict(temperature=0), dict(temperature=0, penalty=1.5), dict(temperature=0.8), dict(temperature=1.3, top_k=7),
          dict(temperature=1.0, top_p=0.6), dict(temperature=0.7, top_k=40, top_p=0.9, penalty=1.3),
-         dict(temperature=1.0, top_k=VOCAB), dict(temperature=1e-30), dict(temperature=1.0, penalty=1e-38),
-         dict(temperature=0, penalty=1e38), dict(temperature=2.0, top_p=1e-9), dict(temperature=1.0, top_k=1)]
+         dict(temperature=1.0, top_k=VOCAB), dict(temperature=1e-30), dict(temperature=1.0, penalty=1e-4),
+         dict(temperature=0, penalty=1e4), dict(temperature=2.0, top_p=1e-9), dict(temperature=1.0, top_k=1)]
 
 
 def graph_picks(logits, history, settings, seeds):
@@ -30,7 +31,7 @@ def graph_picks(logits, history, settings, seeds):
 
 
 @pytest.mark.parametrize("trial", range(4))
-def test_the_graph_pick_gives_sampling_picks_token_and_leaves_each_generator_where_it_would(trial):
+def test_the_graph_pick_picks_as_sampling_pick_and_leaves_each_generator_so(trial):
     g = torch.Generator().manual_seed(trial)
     logits = torch.randn(len(KNOBS), VOCAB, generator=g) * 4
     logits[:, :5] = logits[:, 5:10]  # ties, which a sort may order either way
@@ -100,7 +101,7 @@ def counted_steps(engine, rows, marked_at=None):
 
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 @pytest.mark.parametrize("rows", [1, 16])
-def test_generate_batch_runs_the_steps_ahead_only_where_no_token_decides_the_next_and_none_past_the_end(
+def test_steps_run_ahead_only_where_no_token_decides_the_next_nor_past_the_end(
         rows, every_way_compiled):
     engine = FastEngine(every_way_compiled.model, compile=True, compile_cache=every_way_compiled.folder)
     calls, run, step = counted_steps(engine, rows)
@@ -120,7 +121,7 @@ def test_generate_batch_runs_the_steps_ahead_only_where_no_token_decides_the_nex
 
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 @pytest.mark.parametrize("marked_at", [1, 3, fast_engine.AHEAD + 2])
-def test_scores_that_are_not_finite_stop_the_steps_run_ahead_at_their_token_as_a_step_at_a_time_does(
+def test_non_finite_scores_stop_steps_run_ahead_at_their_token(
         marked_at, every_way_compiled):
     engine = FastEngine(every_way_compiled.model, compile=True, compile_cache=every_way_compiled.folder)
     calls, run, step = counted_steps(engine, COMPILED_ROWS, marked_at)

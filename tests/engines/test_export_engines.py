@@ -4,7 +4,6 @@ Outside CI an engine that is not installed skips its tests, naming requirements-
 in CI (CI=true) it fails them.
 """
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,8 @@ import urllib.request
 import pytest
 import torch
 from children import ct2_greedy_as_it_loads, segfault
-from conftest import ODD_TEXTS, needs, run_main_once
+from helpers import ODD_TEXTS, free_port, run_main_once
+from support import needs
 
 needs("transformers")  # the export every engine here reads
 
@@ -113,12 +113,6 @@ def test_llama_cpp_f16_is_exact_and_q8_0_reports_where_it_parts(smaller_gguf, ho
 def test_llama_cpps_batched_decoding_gives_every_row_cached_pys_tokens(cli_run, holmes):
     rows = llama_greedy(cli_run[1] / "holmes.gguf", holmes[1].encode(PROMPT), 3, 30)
     assert rows == [holmes[2][:30]] * 3
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url, body):

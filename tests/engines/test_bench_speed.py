@@ -9,10 +9,10 @@ import torch
 
 import bench
 from cached import load
-from conftest import COMPILED_ROWS, run_main
+from helpers import positive_numbers, read_by, run_main
+from support import COMPILED_ROWS
 from engines import bench_peers, bench_speed
 from engines.compile_ways import compiler_missing
-from test_bench import positive_numbers, read_by
 
 
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
@@ -112,7 +112,7 @@ def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypa
                            *read_by(("engine", "engine_compiled", "engine_bf16"))}
 
 
-def test_every_row_of_the_decode_table_has_its_bytes_and_share_of_the_bandwidth_under_it(capsys):
+def test_every_decode_table_row_has_its_bytes_and_bandwidth_share(capsys):
     from cached import CachedGPT
     from engines.fast_engine import FastEngine
     from model import Config

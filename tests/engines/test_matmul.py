@@ -7,7 +7,8 @@ from engines import compile_ways, int8, matmul
 import model as model_py
 import sample_grid
 from cached import CachedGPT
-from conftest import COMPILED_ROWS, SMALL, assert_refused, run_main
+from helpers import SMALL, assert_refused, run_main
+from support import COMPILED_ROWS
 from prefill_clone import Engine
 from engines.int8 import INT8_KERNELS, Int8Linear
 from engines.matmul import KERNELS, KernelLinear, choose, time_kernels, with_kernel
@@ -50,7 +51,7 @@ def test_a_kernels_reordered_weight_follows_the_weight_when_it_changes(name):
         torch.testing.assert_close(fast(x), float64_product(layer, x), rtol=1e-5, atol=1e-5)
 
 
-def test_a_kernel_runs_on_a_copy_of_the_tree_that_shares_the_weights_and_leaves_the_model_as_it_was():
+def test_a_kernel_runs_on_a_copy_sharing_the_weights_and_leaves_the_model():
     torch.manual_seed(0)
     model = CachedGPT(SMALL).eval()
     fast = with_kernel(model, KERNELS["split"])
@@ -105,7 +106,7 @@ def test_a_batch_too_large_for_memory_is_refused_before_any_row_is_allocated(mon
     assert_refused(run, "matmul.py: error: --batches 3000000 (a step's inputs and outputs) needs ")
 
 
-def test_compiling_without_a_cpp_compiler_is_refused_in_one_line_before_anything_compiles(monkeypatch, capsys,
+def test_compiling_without_a_cpp_compiler_is_refused_before_anything_compiles(monkeypatch, capsys,
                                                                                           inductor_cxx):
     inductor_cxx("no-such-c++")
     assert "C++ compiler inductor builds its kernels with (no-such-c++)" in compile_ways.compiler_missing("cpu")
@@ -144,7 +145,7 @@ def test_attention_as_math_gives_sdpas_output_for_one_query_a_row_over_masked_sl
                                                                   enable_gqa=kv_heads != 4), want)
 
 
-def test_the_graph_safe_step_reads_only_the_slots_written_so_far_and_gives_the_engines_tokens(monkeypatch):
+def test_the_graph_safe_step_reads_only_written_slots_and_gives_the_tokens(monkeypatch):
     model, prompt = CachedGPT(SMALL).eval(), [5, 17, 300]
     want = Engine(model).generate_batch(prompt, 2, max_tokens=40, temperature=0)[0]
     engine = FastEngine(model, cuda_graph=True)  # on a CPU: the graph-safe step, run eagerly
@@ -157,7 +158,7 @@ def test_the_graph_safe_step_reads_only_the_slots_written_so_far_and_gives_the_e
     assert read[::SMALL.n_layers] == [3] + [min(pos + 1, SMALL.context) for pos in range(3, 3 + 39)]
 
 
-def test_the_fast_engines_one_pick_for_rows_sharing_knobs_gives_the_lesson_engines_tokens():
+def test_rows_sharing_knobs_give_the_lesson_engines_tokens():
     model = CachedGPT(SMALL).eval()
     knobs = dict(temperature=1.5, top_p=0.9, penalty=1.3)  # FastEngine picks the rows in one call, Engine by group
     want = Engine(model).generate_batch([5, 17, 300], 3, max_tokens=12, seed=[4, 5, 6], **knobs)
@@ -216,7 +217,7 @@ def test_an_int8_engine_quantizes_a_copy_once_and_its_rows_are_each_a_one_row_ru
         engine.generate_batch(prompt, 1, max_tokens=3, temperature=0)
 
 
-def test_where_torchs_int8_kernel_does_not_run_the_int8_engine_falls_back_to_dequantizing(monkeypatch):
+def test_without_torchs_int8_kernel_the_int8_engine_dequantizes(monkeypatch):
     def missing(layer, rows):
         raise NotImplementedError("no _weight_int8pack_mm kernel for this device")
     matmul.int8pack_runs.cache_clear()

@@ -3,7 +3,7 @@ greedy equal to cached.py's, 16 concurrent seeded streams each equal to the same
 on a chat's second turn, stop strings cut as OpenAI cuts them, every bad request a 4xx with OpenAI's error
 JSON, a full server a 429, a hang-up cancelled in the engine, Ctrl-C and SIGTERM draining what is in flight.
 
-    python -m pytest -q tests/test_server.py
+    python -m pytest -q tests/engines/test_server.py
 
 The server runs on the shipped holmes.pt in a thread (uvicorn.Server on a free localhost port), or as
 `python serve.py --port 0` in a process of its own for the signals. No assert depends on the machine's
@@ -24,7 +24,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, assert_refused, needs, run_main
+from helpers import ROOT, assert_refused, run_main
+from support import needs
 
 openai = needs("openai")
 needs("uvicorn")
@@ -359,7 +360,7 @@ def test_serve_py_on_a_signal_finishes_its_stream_and_exits_0_saying_so(serve_pr
     assert "Traceback" not in err
 
 
-def test_serve_py_on_a_second_ctrl_c_cuts_its_stream_off_and_exits_0_without_aborting(serve_process):
+def test_serve_py_on_a_second_ctrl_c_cuts_its_stream_and_exits_0(serve_process):
     """Before: the engine's thread, mid-step at exit, aborted the process ("terminate called without an active
     exception", exit 134)."""
     process, url = serve_process

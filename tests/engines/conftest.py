@@ -1,0 +1,94 @@
+"""The engines' fixtures: a compile cache of the suite's own, the plain compile way only, and the steps
+compiled once, ahead, in a process of their own, for the tests that run compiled steps (run last)."""
+import contextlib
+import multiprocessing
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engines import compile_ways
+from support import COMPILED_ROWS, GREEDY_AND_SAMPLED, compile_ahead, compiled_model, plain_ways
+
+
+@pytest.fixture
+def inductor_cxx():
+    """Names the C++ compiler inductor builds with, for one test, through torch's own config patching:
+    pytest's monkeypatch of torch's config leaves it broken for every later test on torch 2.14."""
+    with contextlib.ExitStack() as stack:
+        yield lambda name: stack.enter_context(torch._inductor.config.patch({"cpp.cxx": (None, name)}))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def own_compile_cache(tmp_path_factory):
+    """No test writes into the user's compile cache: the suite's default compile cache is a folder of its
+    own. One for the whole suite, so a step compiled for one test's weights and batch is loaded by the
+    next that asks for the same (a package is keyed by all that makes it valid)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-home")))
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_plain_compile_way():
+    """The Engine compiles its decode step each of compile_ways.COMPILE_WAYS and keeps the fastest; with the
+    autotuner that costs minutes a batch on a small CPU. The suite compiles the plain way only, and
+    the others once, in compile_ahead, for test_compile_cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compile_ways, "COMPILE_WAYS", plain_ways(compile_ways.COMPILE_WAYS))
+        yield
+
+
+def uses(item, fixture):
+    return fixture in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that run compiled steps run last, so the steps compile beside the tests before them;
+    those that need every way's step after the others, which run while the last of them compile."""
+    items.sort(key=lambda item: (uses(item, "compiled"), uses(item, "every_way_compiled")))  # a stable sort
+
+
+@pytest.fixture(autouse=True, scope="session")
+def compiling(request, tmp_path_factory):
+    """compile_ahead, in a process of its own started with the session, when any test will run a compiled
+    step (compiling is mostly one core's work, and many tests leave the other idle): (home, folder, process,
+    plain_kept)."""
+    home = tmp_path_factory.mktemp("compiled")
+    spawn = multiprocessing.get_context("spawn")
+    folder, process, plain_kept = home / "tiny-gpt", None, spawn.Event()
+    if any(uses(item, "compiled") for item in request.session.items):
+        process = spawn.Process(target=compile_ahead, args=(str(folder), plain_kept))
+        process.start()
+    yield home, folder, process, plain_kept
+    if process is not None and process.is_alive():  # only a run stopped early (-x) gets here before it ends
+        process.terminate()
+        process.join()
+
+
+@pytest.fixture(scope="session")
+def compiled(compiling, one_plain_compile_way):
+    """compiled_model()'s step for COMPILED_ROWS rows in float32 and in int8, in Engines that loaded them from
+    the compile cache `folder` (the default one when XDG_CACHE_HOME is `home`), where compile_ahead keeps
+    every step the tests run compiled; a step it did not keep (it failed) is compiled here."""
+    from engines.fast_engine import FastEngine
+    home, folder, process, plain_kept = compiling
+    # process is None where no collected test asked for this fixture by name (getfixturevalue)
+    while process is not None and process.is_alive() and not plain_kept.wait(1):
+        pass
+    model = compiled_model()
+    f32 = FastEngine(model, compile=True, compile_cache=folder)
+    int8 = FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder)
+    for engine in (f32, int8):
+        for knobs in GREEDY_AND_SAMPLED:
+            engine.prepare(COMPILED_ROWS, [knobs])
+    return SimpleNamespace(model=model, home=home, folder=folder, f32=f32, int8=int8)
+
+
+@pytest.fixture(scope="session")
+def every_way_compiled(compiled, compiling):
+    """`compiled`, once compile_ahead has kept every step it compiles (the autotuned ways, dot products)."""
+    process = compiling[2]
+    if process is not None:
+        process.join()
+    return compiled

@@ -1,0 +1,71 @@
+"""What the engines' tests share: a serving package named where it is missing, and the small model whose
+decode step the suite compiles once, ahead (compile_ahead runs in a process of its own: this module imports
+nothing of conftest)."""
+import importlib
+import os
+
+import pytest
+import torch
+
+from engines import compile_ways, decode_step, fast_engine, serving
+from model import Config
+
+
+def needs(module):
+    """The serving package `module` (requirements-serve.txt), imported; outside CI a test that needs one that
+    is not installed skips, naming the file; in CI (CI=true) it fails."""
+    if os.environ.get("CI") == "true":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=f"{module} is not installed: pip install -r requirements-serve.txt")
+
+
+AS_SET = compile_ways.COMPILE_WAYS  # read on import, before one_plain_compile_way
+
+
+def plain_ways(ways):
+    """compile_ways.COMPILE_WAYS with inductor's plain way only, on every device."""
+    return {device: {"plain": {}} for device in ways}
+
+
+# The model whose decode step the suite compiles: small, so a compile takes seconds, with the shipped
+# tokenizer's vocabulary, so the serving engines run it too. Compiling is the suite's costliest work,
+# so every step the tests run compiled is compiled once, ahead, and loaded by the tests after.
+COMPILED = Config(d_model=64, n_heads=4, n_layers=2, context=32)
+COMPILED_ROWS = 3  # more than one: each row at its own position in the cache
+GREEDY_AND_SAMPLED = ({"temperature": 0}, {"temperature": 1.0})  # the compiled Engines' tests' knobs
+PICK_ROWS = (1, 16)
+
+
+def compiled_model():
+    from cached import CachedGPT
+    torch.manual_seed(0)
+    model = CachedGPT(COMPILED).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10)  # untrained scores are too flat for sampled tokens to say much
+    return model
+
+
+def compile_ahead(folder, plain_kept):
+    """compiled_model()'s steps compiled into folder, as the tests run them: for COMPILED_ROWS rows float32
+    and int8 the plain way, greedy and sampled (then plain_kept is set: what the `compiled` fixture loads),
+    for PICK_ROWS greedy and with every knob, ServingEngine's steps over fewer rows, float32 the autotuned
+    ways, and for one row float32 the dot-products way (what `every_way_compiled` waits for)."""
+    os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
+    compile_ways.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
+    model = compiled_model()
+    for dtype in (torch.float32, torch.int8):
+        engine = fast_engine.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder)
+        for knobs in GREEDY_AND_SAMPLED:  # the step with each pick the tests ask of it
+            engine.prepare(COMPILED_ROWS, [knobs])
+    plain_kept.set()
+    f32 = fast_engine.FastEngine(model, compile=True, compile_cache=folder)
+    for rows in PICK_ROWS:  # tests/engines/test_graph_pick.py's: greedy, and every knob
+        for knobs in ({"temperature": 0}, {"top_k": 2, "top_p": 0.5, "penalty": 1.1}):
+            f32.prepare(rows, [knobs])
+    serving.ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=folder)  # its fewer rows
+    with torch.inference_mode():
+        for batch, way in ((1, compile_ways.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned"),
+                           (COMPILED_ROWS, compile_ways.ATTENTION_AS_MATH)):
+            cache = decode_step.GraphCache.for_model(model, batch, COMPILED.context)
+            decode_step.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder)

@@ -1,0 +1,261 @@
+"""What the test files share, defined once: running a script's main in-process as a real run shows it,
+one-line refusals, train.py's small runs, Part 3's checkpoint format written without model.py, the small
+model most tests run, and texts a tokenizer or an exported model must round-trip. Nothing of engines/."""
+import contextlib
+import functools
+import hashlib
+import io
+import os
+import shutil
+import signal
+import socket
+import sys
+
+import pytest
+import torch
+
+import train as train_module
+from cli import run_cli
+from model import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = ("holmes.pt", "holmes.csv", "tokenizer.json")
+
+TEXT = (
+    "It is a capital mistake to theorize before one has data. Insensibly one begins "
+    "to twist facts to suit theories, instead of theories to suit facts. "
+    "You see, but you do not observe. The distinction is clear. I'll, we've, they're 42 times!\n\n"
+) * 3
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def exit_status(main, argv, monkeypatch):
+    """(exit status, the message a real run would print last on stderr) of a script run in-process through run_cli."""
+    monkeypatch.setattr(sys, "argv", [str(a) for a in argv])
+    handler = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; the test process keeps pytest's
+    try:
+        run_cli(main)
+        return 0, ""
+    except SystemExit as e:  # sys.exit(message) prints the message and exits 1 in a real process
+        return (1, f"{e.code}\n") if isinstance(e.code, str) else (e.code or 0, "")
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+def run_main(main, argv, monkeypatch, capsys):
+    """A script run in-process through run_cli: (exit status, stdout, stderr as a real run shows them)."""
+    status, message = exit_status(main, argv, monkeypatch)
+    out, err = capsys.readouterr()
+    return status, out, err + message
+
+
+def run_main_once(main, argv):
+    """run_main for a module's fixture, which has no monkeypatch or capsys of its own."""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status, message = exit_status(main, argv, patch)
+    return status, out.getvalue(), err.getvalue() + message
+
+
+def assert_refused(run, message):
+    status, out, err = run
+    assert status == 1 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def special_input(tmp_path, kind):
+    """A path that is not a readable regular file of sensible size."""
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it would block until a writer comes
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "link-to-dev-zero":
+        path.symlink_to("/dev/zero")  # reading it would never end
+    elif kind == "too-big":
+        path.write_bytes(b"x" * 2000)
+    return "/dev/zero" if kind == "dev-zero" else path
+
+
+INPUTS = [
+    ("dev-zero", "/dev/zero is not a regular file"), ("link-to-dev-zero", "link-to-dev-zero is not a regular file"),
+    ("fifo", "fifo is not a regular file (a pipe or a device?)"), ("folder", "folder is a folder; give a file"),
+    ("missing", "missing not found"), ("too-big", "too-big is 0 MiB, more than the 0 MiB"),
+]
+
+
+TOKENIZER = os.path.join(ROOT, "tokenizer.json")
+CORPUS = "The game is afoot, Watson! Come, the hansom waits. " * 400
+TINY = ["--steps", "1", "--eval-batches", "1"]
+RUN_FILES = ("run.pt", "run.csv", "run.resume.pt")
+
+
+def small_and_fast(monkeypatch):
+    """A 2-layer, 64-wide model on batches of two 64-token windows: a step takes milliseconds where
+    Part 3's takes seconds on a shared CPU. The recipe and every file are otherwise the same."""
+    monkeypatch.setattr(train_module, "Config", functools.partial(Config, d_model=64, n_heads=2, n_layers=2,
+                                                                  context=64))
+    monkeypatch.setattr(train_module, "BATCH", 2)
+
+
+def train(tmp_path, *args, monkeypatch, capsys):
+    """train.py in-process in tmp_path, on its corpus.txt (CORPUS unless there is one) and the shipped
+    tokenizer, writing run.*; a small model and no progress line."""
+    monkeypatch.chdir(tmp_path)
+    small_and_fast(monkeypatch)
+    monkeypatch.setattr(train_module, "show_progress", lambda *args, **kwargs: None)
+    if not (tmp_path / "corpus.txt").exists():
+        (tmp_path / "corpus.txt").write_text(CORPUS)
+    argv = ["train.py", "--corpus", "corpus.txt", "--tokenizer", TOKENIZER, "--out", "run", *args]
+    return run_main(train_module.main, argv, monkeypatch, capsys)
+
+
+def in_process(path, *args):
+    """train.main in `path` with a small model, for module fixtures (no monkeypatch fixture there)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(path)
+        small_and_fast(mp)
+        mp.setattr("sys.argv", ["train.py", "--corpus", "corpus.txt", "--tokenizer", TOKENIZER, *args])
+        (path / "corpus.txt").write_text(CORPUS)
+        train_module.main()
+    return path
+
+
+def one_line_exit(main, monkeypatch, *argv):
+    """Run a script's main in this process; the one-line message it exits with (status 1)."""
+    status, message = exit_status(main, argv, monkeypatch)
+    assert status == 1 and len(message.splitlines()) == 1 and ": error: " in message, message
+    return message.rstrip("\n")
+
+
+def free_port():
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def copy_run(source, tmp_path, files=("corpus.txt", "data", *RUN_FILES)):
+    for name in files:
+        if os.path.isdir(source / name):
+            shutil.copytree(source / name, tmp_path / name)
+        else:
+            shutil.copy(source / name, tmp_path / name)
+
+
+PART3_CONFIG = {"vocab_size": 4096, "d_model": 256, "n_heads": 4, "n_layers": 6, "context": 256, "dropout": 0.1}
+
+
+def part3_state_dict(cfg, seed=0):
+    """Random weights under Part 3's key names, built without model.py."""
+    g = torch.Generator().manual_seed(seed)
+    d, V = cfg["d_model"], cfg["vocab_size"]
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    sd = {"emb.weight": w(V, d)}
+    for i in range(cfg["n_layers"]):
+        p = f"blocks.{i}."
+        sd.update({
+            p + "norm1.weight": 1 + w(d), p + "norm1.bias": w(d),
+            p + "attn.qkv.weight": w(3 * d, d), p + "attn.out.weight": w(d, d),
+            p + "norm2.weight": 1 + w(d), p + "norm2.bias": w(d),
+            p + "mlp.0.weight": w(4 * d, d), p + "mlp.0.bias": w(4 * d),
+            p + "mlp.2.weight": w(d, 4 * d), p + "mlp.2.bias": w(d),
+        })
+    sd["norm.weight"], sd["norm.bias"] = 1 + w(d), w(d)
+    sd["head.weight"] = sd["emb.weight"]
+    return sd
+
+
+# The small model most tests run: two 64-wide blocks and a 32-token window, so a step takes milliseconds
+# and a test can run far past the window; its vocabulary holds PROMPT's ids.
+SMALL = Config(vocab_size=512, d_model=64, n_heads=4, n_layers=2, context=32)
+PROMPT = [5, 17, 300, 42, 9]
+
+
+def small(cfg=SMALL, seed=0):
+    """A CachedGPT of cfg, seeded, in eval mode."""
+    from cached import CachedGPT
+    torch.manual_seed(seed)
+    return CachedGPT(cfg).eval()
+
+
+def prompts(batch, length, vocab, seed=1):
+    return torch.randint(vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def keys_attended(monkeypatch):
+    """Record how many keys each SDPA call may attend to (masked-out keys not counted)."""
+    import model as model_py
+    seen = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q, k, v, attn_mask=None, **kwargs):
+        seen.append(k.shape[-2] if attn_mask is None else int(attn_mask[0].sum()))
+        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+    monkeypatch.setattr(model_py.F, "scaled_dot_product_attention", counting)
+    return seen
+
+
+ODD_TEXTS = [
+    "To Sherlock Holmes she is always the woman. \"You have been in Afghanistan, I perceive,\" said he.\n\n    Café, naïve, 1895!",
+    "Crème brûlée à la façon de Zoë, señor Müller",
+    "東京で会いましょう。北京欢迎你。서울",
+    "Thumbs 👍🏽 family 👨‍👩‍👧‍👦 flags 🇬🇧 heart ❤️",
+    "e\u0301 combining a\u0308\u0304 marks and Z\u0351\u0364lgo",
+    "  two  spaces,   three,\n\n\nnewlines\t\ttabs \r\n end   ",
+    "I'll, you've, she's, they're, we'd, I'm, can't, DON'T, o'clock",
+    "Numbers 1895, 3.14159, 221B Baker Street; $5 & 10% off!?",
+]
+
+
+class TrimFirst:
+    """The ring's semantics past the window, written plainly: concatenate, keep the last `context`, attend to those."""
+
+    def __init__(self, context):
+        self.context, self.k, self.v = context, None, None
+
+    def update(self, k, v, start):
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k[:, :, -self.context:], v[:, :, -self.context:]
+        return self.k, self.v
+
+
+def ring_gives_a_trim_first_caches_logits_for_600_steps(ring, as_rows=None):
+    """Steps past the window through `ring` (a KVCache class) give TrimFirst's logits; as_rows: the model as
+    engines/ runs a ring whose rows are at a (B,) tensor of positions."""
+    model = small()
+    feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
+    ring = ring.for_model(model, 2, SMALL.context)
+    ring_model = model if as_rows is None else as_rows(model)
+    with torch.inference_mode():
+        logits_ring = ring_model.step(feed[:, :10], ring, 0)
+    caches = [TrimFirst(SMALL.context) for _ in model.blocks]
+    with torch.inference_mode():
+        logits_rolling = model.step(feed[:, :10], caches, 0)
+        for t in range(10, 600):
+            torch.testing.assert_close(logits_ring, logits_rolling, atol=1e-4, rtol=1e-4)
+            logits_ring = ring_model.step(feed[:, t:t + 1], ring, t if as_rows is None else ring.cache_seqlens.long())
+            logits_rolling = model.step(feed[:, t:t + 1], caches, t)
+    assert ring.k.shape[2] == SMALL.context and ring.get_pos() == 600
+
+
+def read_by(keys):
+    """The keys figures.put_bandwidth adds beside each tok/s figure."""
+    return {k + suffix for k in keys for suffix in ("_step_bytes", "_bandwidth_share")}
+
+
+def positive_numbers(node, path="report"):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from positive_numbers(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from positive_numbers(v, f"{path}[{i}]")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield path, node

@@ -286,7 +286,7 @@ def test_each_way_is_timed_the_fastest_runs_and_later_steps_load_only_it(
     assert set(step.way_ms) == set(ways) and len(ways) > 1
     assert step.way == min(step.way_ms, key=step.way_ms.get)
     assert_eager_tokens(engine, model, B, GREEDY)
-    keys = [step_key(model, step.cache, o) for o in ways.values()]
+    keys = [step_key(step.model, step.cache, o) for o in ways.values()]  # as compiled
     choice = compile_cache.choice_path(str(folder), keys)
     never_compile(monkeypatch)
     monkeypatch.setattr(decode_step.DecodeStep, "_time_ways", lambda *args: pytest.fail("timed again"))
@@ -298,7 +298,8 @@ def test_each_way_is_timed_the_fastest_runs_and_later_steps_load_only_it(
         compile_cache.keep_choice(choice, {name: 1.0 if name == faster else 2.0 for name in ways})
         engine = FastEngine(model, compile=True, compile_cache=folder)
         engine.prepare(B)
-        package = compile_cache.package_path(str(folder), step_key(model, engine.steps[B, ()].cache, ways[faster]))
+        step = engine.steps[B, ()]
+        package = compile_cache.package_path(str(folder), step_key(step.model, step.cache, ways[faster]))
         assert engine.steps[B, ()].way == faster and engine.steps[B, ()].package == package and loaded[-1:] == [package]
         assert_eager_tokens(engine, model, B, GREEDY)
         loaded.clear()

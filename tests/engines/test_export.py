@@ -134,7 +134,8 @@ def test_a_narrower_folder_stores_that_dtype_and_is_the_rounded_checkpoint(tmp_p
 
 
 def test_dtype_is_the_folders_alone(tmp_path, monkeypatch):
-    message = one_line_exit(export.main, monkeypatch, "export.py", "holmes.pt", "--gguf", tmp_path / "m.gguf", "--dtype", "bfloat16")
+    message = one_line_exit(export.main, monkeypatch, "export.py", "holmes.pt", "--gguf", tmp_path / "m.gguf",
+                            "--dtype", "bfloat16")
     assert "--dtype is the Hugging Face folder's" in message and not (tmp_path / "m.gguf").exists()
 
 

@@ -77,7 +77,8 @@ def add_speed_flags(ap):
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
     ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
-                    help="weights and cache (float16: CUDA; int8: the weights only, one scale per output channel)")
+                    help="weights and cache (float16: CUDA; int8: the Linears' weights, one scale per output channel, "
+                         "and their input rows, one scale a row, multiplied in int8)")
 
 
 def check_count(name, n, least=0):

@@ -53,8 +53,8 @@ def check_compiler(device, otherwise="or leave out --compile"):
 # The ways a decode step is compiled, and the one kept is measured where it runs: "autotuned" freezes the
 # weights into the graph as constants, which lets max_autotune try its own C++ matrix multiplies (weights
 # packed, every core used) against ATen's, timed where it compiles (the last two options keep the
-# autotuner's tables off stderr; int8 weights are not frozen, compile_ways says why); "plain" is inductor's
-# default, ATen's multiplies on the weights as they are; "dot products" exports every nn.Linear as
+# autotuner's tables off stderr); "plain" is inductor's default, ATen's multiplies on the weights as they
+# are; "dot products" exports every nn.Linear as
 # dot_products, and its two options keep inductor from computing the input (a layer norm, say) again inside
 # every output's loop: it is stored once and read; "autotuned, attention as math" is autotuned with the
 # attention exported as its arithmetic (attention_as_math), which inductor fuses with the rest, where ATen's
@@ -77,16 +77,11 @@ COMPILE_WAYS = {"cpu": {"autotuned": AUTOTUNED,
                 "cuda": {"plain": {}}}
 
 
-def compile_ways(device, batch, int8=False):
-    """COMPILE_WAYS for this device that are worth compiling for `batch` rows. For int8 weights, each way
-    without freezing: frozen, inductor folds each weight's dequantization into a float32 copy kept in the
-    program, which then reads four times the bytes, the float32 step with int8's rounding."""
-    ways = {name: way for name, way in COMPILE_WAYS[device.type].items()
-            if batch <= way.get("max_rows", batch)}
-    if int8:
-        ways = {name: {option: value for option, value in way.items() if option != "freezing"}
-                for name, way in ways.items()}
-    return ways
+def compile_ways(device, batch):
+    """COMPILE_WAYS for this device that are worth compiling for `batch` rows. int8 weights are frozen
+    too: they reach torch._int_mm as they are, so the program keeps them int8 (a weight made float for its
+    product would be folded into a float32 copy)."""
+    return {name: way for name, way in COMPILE_WAYS[device.type].items() if batch <= way.get("max_rows", batch)}
 
 
 def way_model(model, way):

@@ -24,7 +24,6 @@ from engines.compile_cache import (KEY_FIELD, check_compile_cache, choice_path, 
                                    package_path, read_choice, step_keys)
 from engines.compile_ways import COMPILED_ATTENTION, WAY_FIELDS, check_compiler, compile_ways, way_model
 from engines.graph_pick import GraphPick, Knobs
-from engines.int8 import Int8Linear
 from engines.rope import with_row_attention
 from prefill_clone import KVCache
 from timing import median, timings
@@ -170,8 +169,7 @@ class DecodeStep:
     def _compiled(self, ways, folder):
         """The compiled step that runs: the only way, or the fastest of the ways here."""
         model, cache = self.model, self.cache
-        int8 = any(isinstance(m, Int8Linear) for m in model.modules())
-        ways = ways or compile_ways(cache.k.device, cache.shape["batch"], int8)
+        ways = ways or compile_ways(cache.k.device, cache.shape["batch"])
         keys = step_keys(model, cache, ways, None if self.pick is None else self.pick.stages)
         choice = choice_path(folder, list(keys.values()))
         self.way_ms, unusable = read_choice(choice, ways) if len(ways) > 1 else ({}, None)

@@ -32,7 +32,7 @@ from prefill_clone import Engine, KVCache, add_sample_flags, clone_prompt, sampl
 # few enough that the scores kept for their finiteness check stay small
 AHEAD = 16
 
-# int8: the weights only (Int8Linear), the activations and the cache float32
+# int8: the Linears' weights and their input rows (Int8Linear), the cache float32
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
@@ -90,8 +90,8 @@ class FastEngine(Engine):
     uses), so a token costs little more than its step. self.steps[batch, stages] is each step,
     self.compile_seconds[batch, stages] what making it ready took.
     dtype: float32, or bfloat16 (float16 on CUDA) for a copy of the weights and the cache; int8 for
-    int8 copies of the Linear weights, quantized here, once (quantized()), with the embedding, the
-    activations and the cache float32, the kernel chosen among INT8_KERNELS.
+    int8 copies of the Linear weights, quantized here, once (quantized()), their input rows quantized as
+    they come, with the embedding and the cache float32, the kernel chosen among INT8_KERNELS.
     """
 
     def __init__(self, model, tokenizer=None, kernel="auto", compile=False, dtype=torch.float32, cuda_graph=False,

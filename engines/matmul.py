@@ -14,8 +14,6 @@ CPUs this repo meets are kept (docs/bench.md: the eager products kept).
 
 prints what each candidate took for one step's 25 multiplies and which won.
 """
-import functools
-import types
 import weakref
 
 from cli import Parser, check_fits, device_from, run_cli
@@ -26,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cached import CachedGPT
-from engines.int8 import INT8_KERNELS, Int8Linear, dequantized, int8pack, replacing_linears
+from engines.int8 import INT8_KERNELS, Int8Linear, float_sums, replacing_linears
 from timing import median, timings
 
 
@@ -77,20 +75,6 @@ def split_rows(layer, rows):
 KERNELS = {"nn": nn_linear, "mkl": mkl_packed, "onednn": onednn_packed, "split": split_rows}
 
 
-@functools.cache
-def int8pack_runs(device):
-    """Whether this torch has aten._weight_int8pack_mm on this device and it gives dequantized()'s product."""
-    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        return False
-    gen = torch.Generator(device).manual_seed(0)  # not torch's global one, which sampling draws from
-    weight, rows = (torch.randn(shape, generator=gen, device=device) for shape in ((48, 64), (3, 64)))
-    layer = Int8Linear(types.SimpleNamespace(weight=weight, bias=None, in_features=64, out_features=48))
-    try:
-        return exact(int8pack, [layer], [rows], dequantized)
-    except (RuntimeError, NotImplementedError):  # declared, but with no kernel for this device
-        return False
-
-
 class KernelLinear(nn.Module):
     """An nn.Linear whose product kernel(layer, rows) computes, on the layer's own weights (None: nn.Linear's)."""
 
@@ -115,8 +99,8 @@ def runs_here(name, device, dtype):
     weights have kernels of their own)."""
     if (dtype == torch.int8) != (name in INT8_KERNELS):
         return False
-    if name == "int8pack":
-        return int8pack_runs(device)
+    if name == "int_mm":  # torch._int_mm: CUDA's refuses a decode step's few rows
+        return device.type == "cpu"
     if name == "mkl":
         return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
     if name == "onednn":
@@ -142,7 +126,7 @@ def tolerance(dtype):
 
 
 def exact(kernel, layers, inputs, reference=nn_linear):
-    """Whether kernel gives the reference's output (nn.Linear's, or dequantized()'s for int8 weights) on
+    """Whether kernel gives the reference's output (nn.Linear's, or float_sums' for int8 weights) on
     every layer (relative to the output's size)."""
     for layer, rows in zip(layers, inputs):
         got, want = kernel(layer, rows), reference(layer, rows)
@@ -158,8 +142,8 @@ def exact(kernel, layers, inputs, reference=nn_linear):
 def time_kernels(layers, batch, rounds=5):
     """{name: seconds for one step's products at `batch` rows, or None if not exact}, every candidate here."""
     w = layers[0].weight
-    int8 = w.dtype == torch.int8  # int8 weights multiply float32 rows
-    candidates, reference = (INT8_KERNELS, dequantized) if int8 else (KERNELS, nn_linear)
+    int8 = w.dtype == torch.int8  # int8 weights take float32 rows, quantized as they come
+    candidates, reference = (INT8_KERNELS, float_sums) if int8 else (KERNELS, nn_linear)
     gen = torch.Generator(w.device).manual_seed(0)
     rows_dtype = torch.float32 if int8 else w.dtype
     inputs = [torch.randn(batch, layer.in_features, generator=gen, device=w.device).to(rows_dtype) for layer in layers]

@@ -47,7 +47,7 @@ def test_bf16_engine_runs_a_bf16_copy_and_leaves_the_model_as_it_was():
     (dict(kernel="split", compile=True), "inductor picks the compiled step's kernels"),
     (dict(dtype=torch.float16), "float16 runs only on CUDA here; on the CPU use bfloat16"),
     (dict(kernel="mkl", dtype=torch.int8), "kernel 'mkl' does not run on cpu in int8"),
-    (dict(kernel="int8pack"), "kernel 'int8pack' does not run on cpu in float32"),
+    (dict(kernel="int_mm"), "kernel 'int_mm' does not run on cpu in float32"),
     (dict(dtype="int4"), "dtype must be one of"),
     (dict(dtype=torch.float64), "dtype must be one of"),
 ])

@@ -1,4 +1,6 @@
 """engines/matmul.py and engines/int8.py: every candidate computes nn.Linear's product; only an exact one can be chosen, once per batch."""
+import zipfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,22 +176,49 @@ def test_rows_with_knobs_of_their_own_each_get_what_they_get_alone():
     assert rows == alone
 
 
-@pytest.mark.parametrize("name", [*INT8_KERNELS, *compile_ways.COMPILED_LINEARS])
-def test_every_int8_kernel_computes_the_dequantized_product(name):
+def int8_product_in_float64(layer, x):
+    """An Int8Linear's product written from its definition in float64: each row quantized, the integer
+    sums of int8 by int8, each row's scale and each output channel's, the bias."""
+    q, row_scales = int8.quantize_per_channel(x)
+    out = (q.double() @ layer.weight.double().T) * row_scales.double()[:, None] * layer.scales.double()
+    return (out if layer.bias is None else out + layer.bias.double()).float()
+
+
+@pytest.mark.parametrize("name", [*INT8_KERNELS, *compile_ways.COMPILED_LINEARS, "Int8Linear"])
+def test_every_int8_kernel_computes_the_int8_product(name):
     if name in INT8_KERNELS and not matmul.runs_here(name, torch.device("cpu"), torch.int8):
         pytest.skip(f"kernel {name!r} does not run in this torch build")
     torch.manual_seed(0)
     block = CachedGPT(SMALL).eval().blocks[0]
-    for layer in (block.mlp[0], block.attn.qkv):  # with and without a bias
-        int8 = Int8Linear(layer)
+    for layer in (block.mlp[0], block.attn.qkv, block.mlp[2]):  # with and without a bias; 4d inputs
+        int8_layer = Int8Linear(layer)
         x = torch.randn(3, 1, layer.in_features)
-        dequantized = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
         with torch.no_grad():
-            dequantized.weight.copy_(int8.weight.float() * int8.scales[:, None])
-            if layer.bias is not None:
-                dequantized.bias.copy_(layer.bias)
-            got = KernelLinear(int8, (INT8_KERNELS | compile_ways.COMPILED_LINEARS)[name])(x)
-        torch.testing.assert_close(got, float64_product(dequantized, x), rtol=1e-5, atol=1e-5)
+            got = int8_layer(x) if name == "Int8Linear" else \
+                KernelLinear(int8_layer, (INT8_KERNELS | compile_ways.COMPILED_LINEARS)[name])(x)
+        want = int8_product_in_float64(int8_layer, x.view(3, -1)).view(3, 1, -1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_products_error_stays_within_half_a_step_of_each_factor_against_float64():
+    """|sum x w - sum x' w'| <= sum |x| s_w / 2 + sum |w'| s_x / 2, x' and w' each within half its
+    row's step (s_x, s_w) of x and w: the bound a product of this model's sizes keeps, at 1 and 16 rows."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, (n_in, n_out) in ((1, (256, 768)), (16, (1024, 256)), (16, (256, 4096))):
+        layer = torch.nn.Linear(n_in, n_out)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n_out, n_in, generator=gen) * 0.05)
+        x = torch.randn(rows, n_in, generator=gen) * torch.logspace(-2, 1, rows)[:, None]  # rows of every size
+        int8_layer = Int8Linear(layer)
+        with torch.no_grad():
+            got = int8_layer(x).double()
+        exact = x.double() @ layer.weight.double().T + layer.bias.double()
+        w_step, x_step = int8_layer.scales.double(), int8.quantize_per_channel(x)[1].double()
+        w_back = int8_layer.weight.double() * w_step[:, None]
+        bound = x.double().abs() @ (w_step / 2).expand(n_in, -1) + (x_step / 2)[:, None] * w_back.abs().sum(1)
+        error = (got - exact).abs()
+        assert (error <= bound * (1 + 1e-4) + 1e-5).all(), (error / bound).max()
+        assert error.mean() < bound.mean() / 4  # rounding errors mostly cancel: the bound is the worst case
 
 
 def test_an_int8_engine_quantizes_a_copy_once_and_its_rows_are_each_a_one_row_runs():
@@ -204,32 +233,27 @@ def test_an_int8_engine_quantizes_a_copy_once_and_its_rows_are_each_a_one_row_ru
     # the tied head is quantized; the embedding it shares a weight with stays the model's float32 one
     assert isinstance(engine.model.head, Int8Linear) and engine.model.emb.weight is model.emb.weight
     assert all(type(m) is torch.nn.Linear for m in model.modules() if "Linear" in type(m).__name__)
-    prompt = [5, 17, 300, 42, 9]
+    prompt, tokens = [5, 17, 300, 42, 9], {}
     for kernel in [n for n in INT8_KERNELS if matmul.runs_here(n, torch.device("cpu"), torch.int8)]:
         fixed = FastEngine(model, kernel=kernel, dtype=torch.int8)
         for knobs, seeds in ((dict(temperature=0), 42), (dict(temperature=1.0), 3)):  # every row seeded alike
             rows, _ = fixed.generate_batch(prompt, 3, max_tokens=12, seed=[seeds] * 3, **knobs)
             one, _ = fixed.generate_batch(prompt, 1, max_tokens=12, seed=seeds, **knobs)
             assert rows == one * 3
+            tokens.setdefault(seeds, rows)
+            assert rows == tokens[seeds], f"kernel {kernel!r} moved a token"  # the same sums, whichever runs
     with torch.no_grad():
         model.blocks[0].mlp[0].weight.mul_(2)
     with pytest.raises(ValueError, match="the model's weights changed after this Engine was made"):
         engine.generate_batch(prompt, 1, max_tokens=3, temperature=0)
 
 
-def test_without_torchs_int8_kernel_the_int8_engine_dequantizes(monkeypatch):
-    def missing(layer, rows):
-        raise NotImplementedError("no _weight_int8pack_mm kernel for this device")
-    matmul.int8pack_runs.cache_clear()
-    monkeypatch.setattr(matmul, "int8pack", missing)
-    monkeypatch.setattr(matmul, "CHOSEN", {})
-    try:
-        assert not matmul.int8pack_runs(torch.device("cpu"))
-        engine = FastEngine(CachedGPT(SMALL).eval(), dtype=torch.int8)
-        engine.generate_batch([1, 2], 2, max_tokens=3, temperature=0)
-        assert engine.chosen == {2: "dequantize"} and set(choose(engine.model, 2)[1]) == {"dequantize"}
-    finally:
-        matmul.int8pack_runs.cache_clear()
+def test_int_mm_runs_on_cpus_only_and_float_sums_everywhere():
+    # CUDA's torch._int_mm refuses 16 rows or fewer: a decode step there multiplies with float_sums
+    assert matmul.runs_here("int_mm", torch.device("cpu"), torch.int8)
+    assert not matmul.runs_here("int_mm", torch.device("cuda"), torch.int8)
+    assert matmul.runs_here("float sums", torch.device("cuda"), torch.int8)
+    assert not matmul.runs_here("int_mm", torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.skipif(bool(compile_ways.compiler_missing("cpu")), reason=str(compile_ways.compiler_missing("cpu")))
@@ -239,6 +263,8 @@ def test_the_compiled_int8_engine_gives_the_eager_int8_tokens(compiled):
         assert compiled.int8.generate_batch([5, 17, 300], rows, max_tokens=40, **knobs) == \
             eager.generate_batch([5, 17, 300], rows, max_tokens=40, **knobs)  # past the window
     assert list(compiled.int8.compile_seconds) == [(rows, ()), (rows, ("temperature",))]
+    with zipfile.ZipFile(compiled.int8.steps[rows, ()].package) as package:  # its products int8's, not float's
+        assert any(b"_int_mm" in package.read(name) for name in package.namelist() if name.endswith(".cpp"))
 
 
 @pytest.mark.parametrize("batch, message", [

@@ -40,8 +40,9 @@ def test_more_threads_than_cores_run_and_say_in_one_line_they_oversubscribe(monk
     finally:
         torch.set_num_threads(threads)
     assert status == 0, err
-    assert err.strip() == (f"bench.py: {os.cpu_count() + 1} threads on {os.cpu_count()} cores oversubscribes them: "
-                           "threads take turns on a core, and the figures show it")
+    said = (f"bench.py: {os.cpu_count() + 1} threads on {os.cpu_count()} cores oversubscribes them: threads take "
+            "turns on a core, and the figures show it")
+    assert err.splitlines()[0] == said and err.count("oversubscribes") == 1  # progress lines may follow
     assert "0. the post's table" in out
 
 

@@ -37,11 +37,13 @@ def sample_knobs(args):
 
 
 def show_samples(engine, tokenizer, args, knobs, prepare=lambda: ""):
-    """Print args.n samples of the prompt, then the time to the first token and the tokens a second;
-    prepare() runs before anything is timed, and what it returns ends the last line."""
+    """Print args.n samples of the prompt, then the time to the first token and the tokens a second, warm (a
+    one-token run first: a GPU's start-up, the allocator's first requests are no token's time); prepare() runs
+    before anything is timed, and what it returns ends the last line."""
     tokens = prompt_ids(tokenizer, args.prompt, engine.model)[0].tolist()
     check_cache(engine.model, args.n, engine.cache_len(len(tokens), args.tokens))  # before anything allocates it
     note = prepare()
+    engine.generate_batch(tokens, 1, max_tokens=1, seed=args.seed, **knobs)
     ttft, seconds, rows = timed_generation(engine, tokens, args.n, args.tokens, "tokens", seed=args.seed, **knobs)
     for i, row in enumerate(rows):
         print(f"--- sample {i} (seed {args.seed + i})")

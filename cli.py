@@ -45,6 +45,7 @@ def run_cli(main):
         finally:
             sys.stdout.flush()  # what main printed, before its end is said
     except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one while this is said would cut it off
         print(file=sys.stderr)
         sys.exit(f"{name}: interrupted; nothing half-written was left behind")
     except BadInput as e:

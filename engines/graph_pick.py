@@ -11,7 +11,7 @@ The draw: ATen's multinomial, for one sample, is the exponential race (the Gumbe
 an Exp(1) for every vocabulary entry from the row's generator and takes argmax(p / q). Knobs.draw makes
 those very numbers with the same call on the same generator, outside the program (a compiled program
 cannot hold a torch.Generator), so the program picks the token multinomial would, and each generator
-ends where the lesson's would (tests/test_graph_pick.py checks both).
+ends where the lesson's would (tests/engines/test_graph_pick.py checks both).
 
     program inputs: logits (B, vocab), the token just fed (B, 1) and Knobs' tensors
     program output: the next token of each row (B, 1), -1 where the row's scores are not finite

@@ -12,7 +12,7 @@ served one; n and best_of only 1 (NOT_OFFERED lists the rest). They are read onc
 their values checked by the engine's submit; a refusal is OpenAI's error JSON with a 4xx status (429 when
 the server is full). The engine is single-threaded: EngineLoop runs it in one thread, the only one that
 touches it, and hands each step's events to the requests waiting on the event loop; a request whose client
-hangs up is cancelled there, freeing its row at the next step. tests/test_server.py runs it through the
+hangs up is cancelled there, freeing its row at the next step. tests/engines/test_server.py runs it through the
 official `openai` client.
 """
 import asyncio

@@ -75,12 +75,14 @@ def check_kept_tokens(rows, n_tokens, device):
 
 
 def check_seeds(seed, n, name="seed"):
-    """Each of n rows' seeds: seed + i for row i, or the list given, one a row; each in 0..2**64 - 1."""
+    """Each of n rows' seeds: seed + i for row i (a range: n may be too many rows for a list, which a later check
+    refuses), or the list given, one a row; each in 0..2**64 - 1."""
     if isinstance(seed, (list, tuple)):
         if len(seed) != n:
             raise BadValue(f"{name} is a list of {len(seed)}, but num_samples is {n}")
         return [as_id(s, name, 2**64, "the seeds") for s in seed]
-    return [as_id(seed, name, 2**64 - n + 1, "the seeds") + i for i in range(n)]
+    first = as_id(seed, name, 2**64 - n + 1, "the seeds")
+    return range(first, first + n)
 
 
 def utf8_bytes(text):

@@ -39,9 +39,9 @@ from errors import BadValue, CompileFailed
 from cached import load_pair
 from checks import cache_bytes
 from engines import peers
+from engines.serving import SERVED_DTYPES
 
 BLOCK_SIZE = 16  # tokens a cache block holds: small blocks suit a 256-token window
-SERVED_DTYPES = ("float32", "bfloat16", "float16")
 STOP_SECONDS = 60  # a stop waits this long for the requests in flight: a full window of tokens takes far less
 
 

@@ -45,6 +45,7 @@ import torch
 
 from bpe import BPE
 from engines.fast_engine import check_dtype
+from engines.serving import SERVED_DTYPES
 
 CONTEXT, TURNS, HISTORY_TOKENS, NEXT_TURN = 256, 10, 6, "\nUser:"
 SYSTEM = "System: You are Sherlock Holmes. Answer the client briefly and plainly, as you would in Baker Street."
@@ -270,7 +271,7 @@ def main():
     ap.add_argument("--checkpoint", default="holmes.pt")
     ap.add_argument("--eager", action="store_true", help="serve.py --eager: its decode step not compiled")
     ap.add_argument("--device", default="cpu", help="serve.py's and the one-at-a-time Engine's: cpu or cuda")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--dtype", default="float32", choices=SERVED_DTYPES)
     ap.add_argument("--llama-server", default=None, help="the binary engines/build_llama_server.sh built")
     ap.add_argument("--skip", default="", help="engines to leave out, comma-separated")
     ap.add_argument("--json", default=None)

@@ -39,6 +39,9 @@ from engines.serving_runner import ServingRunner
 from prefill_clone import Engine
 
 
+SERVED_DTYPES = ("float32", "bfloat16", "float16")  # the weights and cache served in; float16 on CUDA only
+
+
 class StepClock:
     """Where the engine's steps spend their time, for a breakdown (bench_serving reads it through /health): each
     phase of step() in all (timed on the host: on CUDA a phase's kernels may run on into the next one's time, the

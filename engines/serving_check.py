@@ -22,7 +22,7 @@ import torch
 
 from cached import load_pair
 from engines.fast_engine import check_dtype
-from engines.serving import Request, ServingEngine
+from engines.serving import SERVED_DTYPES, Request, ServingEngine
 from prefill_clone import Engine
 from samples import DEFAULT_PROMPT
 
@@ -90,7 +90,7 @@ def main():
     ap.add_argument("--compile", action="store_true", help="the decode step compiled (or loaded from the compile cache)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--dtype", default="float32", choices=SERVED_DTYPES)
     args = ap.parse_args()
     for name, value, least in (("--chats", args.chats, 1), ("--tokens", args.tokens, 1), ("--threads", args.threads, 0)):
         check_least(name, value, least)

@@ -184,9 +184,10 @@ def read_choice(path, ways):
     return (kept, None) if good else ({}, f"it is not each way's milliseconds in {MS_RANGE[0]:g}..{MS_RANGE[1]:g}")
 
 
-def keep_choice(path, way_ms):
+def keep_choice(path, way_ms, replace=False):
+    """Keep the ways' times at path; replace: put them in place of the times kept there (timed again)."""
     try:
-        with atomic_write(path, "w") as f:
+        with atomic_write(path, "w", force=replace) as f:
             json.dump(way_ms, f)
     except FileExistsError:  # another run kept its own measurement first, or an unreadable file is there
         pass

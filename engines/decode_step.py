@@ -119,10 +119,11 @@ class DecodeStep:
     capture (CUDA only): replay a captured graph of the step, the pick inside it.
     pick: the stages of engines/graph_pick.py's GraphPick (() for greedy) to pick each row's next token in
     the same program, by self.knobs: a call then returns (logits, tokens). None: logits only.
+    retime: time the compiled ways again though times are kept, and keep the new ones in their place.
     """
 
     def __init__(self, model, cache, compile=False, capture=False, jit=False, ways=None, compile_cache=None,
-                 pick=None):
+                 pick=None, retime=False):
         self.model, self.cache = with_row_attention(model), cache  # each row at its own position
         batch, device = cache.shape["batch"], cache.k.device
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -140,7 +141,8 @@ class DecodeStep:
             # a loaded package prepares its weights on its first calls, in place: not in a timing, nor under
             # autograd, which refuses that for weights that require grad (a checkpoint's, as loaded)
             with torch.no_grad():
-                self.run = self._jit_compiled() if jit else self._compiled(ways, check_compile_cache(compile_cache))
+                self.run = self._jit_compiled() if jit else self._compiled(ways, check_compile_cache(compile_cache),
+                                                                            retime)
                 self._rehearse(self.run)
                 self._check_against_eager()
             self.compile_seconds = time.perf_counter() - started
@@ -166,13 +168,14 @@ class DecodeStep:
                 return compiled()
         return run
 
-    def _compiled(self, ways, folder):
-        """The compiled step that runs: the only way, or the fastest of the ways here."""
+    def _compiled(self, ways, folder, retime=False):
+        """The compiled step that runs: the only way, or the fastest of the ways here (retime: timed again, whatever
+        times are kept, and the new times kept in their place)."""
         model, cache = self.model, self.cache
         ways = ways or compile_ways(cache.k.device, cache.shape["batch"])
         keys = step_keys(model, cache, ways, None if self.pick is None else self.pick.stages)
         choice = choice_path(folder, list(keys.values()))
-        self.way_ms, unusable = read_choice(choice, ways) if len(ways) > 1 else ({}, None)
+        self.way_ms, unusable = read_choice(choice, ways) if len(ways) > 1 and not retime else ({}, None)
         if unusable:
             say(f"the compiled ways' times at {shown(choice)} cannot be used ({unusable}); timing them again and "
                 "leaving that file as it is")
@@ -197,7 +200,7 @@ class DecodeStep:
                 for name, (runner, _, _) in made.items()}
         if len(runs) > 1:
             self.way_ms = self._time_ways(runs)
-            keep_choice(choice, self.way_ms)
+            keep_choice(choice, self.way_ms, replace=retime)
         self.way = min(self.way_ms, key=self.way_ms.get) if self.way_ms else next(iter(runs))
         self.package = made[self.way][1]
         if self.way_ms:

@@ -21,7 +21,7 @@ import copy
 
 import torch
 
-from engines.decode_step import DecodeStep, GraphCache
+from engines.decode_step import DecodeStep, GraphCache, say
 
 
 def compiles_in_process(device):
@@ -33,6 +33,22 @@ def compiles_in_process(device):
 def batch_sizes(max_rows):
     """The row counts a runner makes steps for: 1, 2, 4, 8, 16, then steps of 16, and max_rows, none above it."""
     return sorted({n for n in (1, 2, 4, 8, *range(16, max_rows + 1, 16)) if n < max_rows} | {max_rows})
+
+
+# a kept time is out of line when a step of fewer rows takes this many times one of more rows', or one of more
+# rows this many times its share (their ratio) of one of fewer rows': timed while the machine was busy
+OUT_OF_LINE = 1.5
+
+
+def out_of_line(ms):
+    """The sizes whose compiled step's time ({rows: ms a step}) is out of line with the next size's: the slower."""
+    sizes, slow = sorted(ms), set()
+    for fewer, more in zip(sizes, sizes[1:]):
+        if ms[fewer] > OUT_OF_LINE * ms[more]:
+            slow.add(fewer)
+        elif ms[more] > OUT_OF_LINE * ms[fewer] * more / fewer:
+            slow.add(more)
+    return sorted(slow)
 
 
 def first_rows(cache, n):
@@ -69,11 +85,25 @@ class StepRunner:
     def size_for(self, rows):
         return next(n for n in self.sizes if n >= rows)
 
-    def step(self, rows, stages=None):
+    def step(self, rows, stages=None, retime=False):
         """The decode step for `rows` rows: over the first size_for(rows) rows of the cache, with the pick's stages
-        (engines/graph_pick.py; None: logits only)."""
+        (engines/graph_pick.py; None: logits only); retime: made again, its compiled ways timed again."""
         key = self.size_for(rows), stages
-        if key not in self.kept:
+        if key not in self.kept or retime:
             self.kept[key] = DecodeStep(self.model, first_rows(self.cache, key[0]), self.compile, self.capture,
-                                         self.jit, compile_cache=self.compile_cache, pick=stages)
+                                         self.jit, compile_cache=self.compile_cache, pick=stages, retime=retime)
         return self.kept[key]
+
+    def made(self, stages=None):
+        """The runner with a step made for each size (with the pick's stages), so that compiling (or capturing) is
+        no step's work. A size
+        whose compiled ways' kept times are out of line with the next size's (out_of_line: timed while the
+        machine was busy, a choice that would otherwise hold for good) is timed again, once."""
+        steps = {n: self.step(n, stages) for n in self.sizes}
+        times = {n: min(step.way_ms.values()) for n, step in steps.items() if step.way_ms}
+        for n in out_of_line(times):
+            say(f"the compiled decode step for {n} rows: its kept time ({times[n]:.3f} ms) is out of line with "
+                f"the other sizes' ({', '.join(f'{k} rows {ms:.3f}' for k, ms in times.items() if k != n)}); "
+                "timing its ways again")
+            self.step(n, stages, retime=True)
+        return self

@@ -57,16 +57,20 @@ class StepClock:
         self.steps += 1
         self.started = self.last = time.perf_counter()
 
-    def lap(self, phase):
-        """Add the seconds since the last lap (or the start) to the phase."""
+    def timed(self, phase, work, *args):
+        """work(*args), its seconds added to the phase (and the bookkeeping since the last phase to the last)."""
+        out = work(*args)
         now = time.perf_counter()
         self.seconds[phase] += now - self.last
         self.last = now
+        return out
 
     def stop(self, plan):
+        now = time.perf_counter()
+        self.seconds["events and blocks"] += now - self.last
         if plan.decoding:  # what a decoding row waited for its token
             kind = self.decoding["with prefill" if plan.chunks else "decode only"]
-            kind[0], kind[1] = kind[0] + 1, kind[1] + self.last - self.started
+            kind[0], kind[1] = kind[0] + 1, kind[1] + now - self.started
 
 
 class ServingEngine:
@@ -138,23 +142,16 @@ class ServingEngine:
     @torch.inference_mode()
     def step(self):
         """One decode step for every running row, and a chunk of prefill; the Events of this step."""
-        clock = self.clock
-        clock.start()
+        self.clock.start()
         events = [self._finish(self.active[i], "cancelled") for i in sorted(self.cancelling)]
-        plan = self.scheduler.schedule()  # admits newcomers
-        clock.lap("schedule")
-        scores = self.runner.decode(plan)
-        clock.lap("decode")
-        scores |= self.runner.prefill(plan)
-        clock.lap("prefill")
+        plan = self.clock.timed("schedule", self.scheduler.schedule)  # admits newcomers
+        scores = self.clock.timed("decode", self.runner.decode, plan)
+        scores |= self.clock.timed("prefill", self.runner.prefill, plan)
         picking = self.scheduler.ran(plan)  # the sequences whose next token is picked from this step's scores
-        if picking:
-            tokens = self.runner.pick(torch.stack([scores[s] for s in picking]), picking)
-            clock.lap("pick")
-            events += [self._advance(s, token) for s, token in zip(picking, tokens)]
+        tokens = self.clock.timed("pick", self.runner.pick, scores, picking)
+        events += [self._advance(s, token) for s, token in zip(picking, tokens)]
         self.scheduler.keep_full_blocks()
-        clock.lap("events and blocks")
-        clock.stop(plan)
+        self.clock.stop(plan)
         return events
 
     def _advance(self, s, token):

@@ -25,23 +25,15 @@ class ServingRunner:
     def __init__(self, model, lesson, max_rows, fixed_shapes=False, compile=False, compile_cache=None):
         self.model, self.lesson, self.fixed_shapes = model, lesson, fixed_shapes
         self.prompt_model = with_row_attention(model)  # the prompts' chunks, each query masked at its position
-        self.steps = self._made(StepRunner(model, max_rows, [max_rows] if fixed_shapes else None, compile,
-                                           compile_cache))
+        self.steps = StepRunner(model, max_rows, [max_rows] if fixed_shapes else None, compile, compile_cache).made()
         self.rows, self.device = self.steps.cache, model.emb.weight.device
         self.on_logits = None
 
     def use_compiled(self, compile_cache=None):
         """From the next step on, run the decode steps compiled (loaded from compile_cache where kept). Making each
         ready runs it on the rows and puts them back as they were, so call it between two steps."""
-        self.steps = self._made(StepRunner(self.model, self.rows.shape["batch"], self.steps.sizes, True,
-                                           compile_cache, cache=self.rows))
-
-    @staticmethod
-    def _made(runner):
-        """The runner with a decode step made for each of its sizes: compiling (or capturing) is no step's work."""
-        for n in runner.sizes:
-            runner.step(n)
-        return runner
+        self.steps = StepRunner(self.model, self.rows.shape["batch"], self.steps.sizes, True, compile_cache,
+                                cache=self.rows).made()
 
     def decode(self, plan):
         """{sequence: the scores its next token is picked from} for the plan's decoding rows: the decode step over
@@ -79,10 +71,13 @@ class ServingRunner:
             groups.setdefault((chunk[2] - chunk[1] - 1).bit_length(), []).append(chunk)
         return groups.values()
 
-    def pick(self, logits, seqs):
-        """One token per sequence, as the Engine picks it for that request alone: rows without a repetition
-        penalty in one call of its pick (which groups equal knobs and gives each row its own generator), each
-        penalized row with its own history, the prompt and its tokens so far."""
+    def pick(self, scores, seqs):
+        """One token for each of seqs from its scores ({sequence: scores}), as the Engine picks it for that request
+        alone: rows without a repetition penalty in one call of its pick (which groups equal knobs and gives each
+        row its own generator), each penalized row with its own history, the prompt and its tokens so far."""
+        if not seqs:
+            return []
+        logits = torch.stack([scores[s] for s in seqs])
         check_finite(logits, min(len(s.tokens) - s.n_prompt for s in seqs))
         if self.on_logits is not None:
             self.on_logits(logits, seqs)

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from engines import compile_cache, compile_ways, decode_step
+from engines import compile_cache, compile_ways, decode_step, runner
 from cached import GOTCHAS, CachedGPT
 from cli import run_cli
 from engines.decode_step import DecodeStep, GraphCache
@@ -311,6 +311,25 @@ def test_each_way_is_timed_the_fastest_runs_and_later_steps_load_only_it(
     engine.prepare(B)
     assert engine.steps[B, ()].loaded and set(engine.steps[B, ()].way_ms) == set(ways)
     assert open(choice).read() == "{not json"
+
+
+def test_kept_times_out_of_line_with_the_next_sizes_are_timed_again_and_replaced(kept_every_way, monkeypatch):
+    """A choice timed while the machine was busy does not hold for good: a size whose kept time is out of line with
+    the next size's is timed again when a runner makes its steps, and the new times kept in place of the old."""
+    assert runner.out_of_line({8: 2.7, 16: 15.8}) == [16] and runner.out_of_line({4: 9.0, 8: 3.0}) == [4]
+    assert runner.out_of_line({1: 0.67, 2: 0.9, 4: 1.22, 8: 3.0, 16: 4.38}) == []
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", AS_SET)
+    model, folder, _ = kept_every_way
+    step = runner.StepRunner(model, B, [B], compile=True, compile_cache=folder).step(B, ())  # FastEngine's, greedy
+    ways = compile_ways.compile_ways(torch.device("cpu"), B)
+    choice = compile_cache.choice_path(str(folder), [step_key(step.model, step.cache, o) for o in ways.values()])
+    busy = {name: 500.0 for name in ways}  # every way's time, as a busy machine took them
+    compile_cache.keep_choice(choice, busy, replace=True)
+    assert runner.StepRunner(model, B, [B], compile=True, compile_cache=folder).step(B, ()).way_ms == busy  # read
+    monkeypatch.setattr(runner, "out_of_line", lambda times: list(times))  # as if B's were out of line
+    retimed = runner.StepRunner(model, B, [B], compile=True, compile_cache=folder).made(()).kept[B, ()].way_ms
+    assert set(retimed) == set(ways) and max(retimed.values()) < 500
+    assert compile_cache.read_choice(choice, ways) == (retimed, None)
 
 
 def test_int8_weights_are_compiled_every_way_float32_ones_are_frozen_included(tmp_path, monkeypatch):

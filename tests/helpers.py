@@ -259,3 +259,10 @@ def positive_numbers(node, path="report"):
             yield from positive_numbers(v, f"{path}[{i}]")
     elif isinstance(node, (int, float)) and not isinstance(node, bool):
         yield path, node
+
+
+def uncached_choices(model, tokens, n_prompt):
+    """The uncached loop's greedy token after each prefix of tokens from n_prompt on, while the window holds them
+    all: one causal forward gives the logits every step of generate_uncached computes (each its prefix, whole)."""
+    with torch.no_grad():
+        return model(tokens[:, :-1])[0][:, n_prompt - 1:].argmax(-1)

@@ -4,8 +4,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import tempfile
 from collections import Counter
 
@@ -140,13 +138,6 @@ def test_cli_trains_writes_part1_format_and_refuses_a_missing_corpus(tmp_path, m
     missing = tmp_path / "missing.txt"
     status, _, err = train_bpe(tmp_path, missing, monkeypatch=monkeypatch, capsys=capsys)
     assert status == 1 and err == f"bpe.py: error: corpus {missing} not found\n"
-
-
-def test_a_real_run_exits_1_with_one_line(tmp_path):
-    """The one subprocess: what run_main reads from SystemExit is what a shell sees."""
-    run = subprocess.run([sys.executable, "bpe.py", str(tmp_path / "missing.txt")], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert run.returncode == 1 and run.stderr == f"bpe.py: error: corpus {tmp_path / 'missing.txt'} not found\n"
 
 
 def test_an_existing_tokenizer_is_kept_unless_forced(tmp_path, monkeypatch, capsys, shipped_unchanged):

@@ -11,7 +11,7 @@ from bpe import BPE
 from cached import CachedGPT, exact_tokens, load
 from checkpoint import save_checkpoint
 from helpers import (PART3_CONFIG, ROOT, SMALL, assert_refused, one_line_exit, keys_attended, part3_state_dict,
-                     prompts, run_main)
+                     prompts, run_main, uncached_choices)
 from model import GPT, Config, rope_at
 from prefill_clone import KVCache
 
@@ -75,12 +75,15 @@ def test_cached_equals_uncached_for_exactly_context_minus_prompt_plus_1_tokens(r
 def test_cached_equals_uncached_for_254_tokens_on_the_shipped_checkpoint(shipped):
     idx = torch.tensor([[346, 739, 308]])
     assert exact_tokens(256, 3) == 254
-    assert torch.equal(shipped.generate_cached(idx, 254), shipped.generate_uncached(idx, 254))
+    out = shipped.generate_cached(idx, 254)
+    assert out.shape[1] == 257 and torch.equal(uncached_choices(shipped, out, 3), out[:, 3:])
+    assert torch.equal(shipped.generate_uncached(idx, 20), out[:, :23])  # the loop itself, its first steps
 
 
 def test_shipped_batch_2_prompt_200_and_a_prompt_longer_than_context(shipped):
     idx = prompts(2, 200, 4096)
-    assert torch.equal(shipped.generate_cached(idx, 57), shipped.generate_uncached(idx, 57))
+    out = shipped.generate_cached(idx, 57)
+    assert torch.equal(uncached_choices(shipped, out, 200), out[:, 200:])
     long = prompts(2, 300, 4096)
     assert torch.equal(shipped.generate_cached(long, 1), shipped.generate_uncached(long, 1))
 

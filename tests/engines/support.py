@@ -68,4 +68,5 @@ def compile_ahead(folder, plain_kept):
         for batch, way in ((1, compile_ways.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned"),
                            (COMPILED_ROWS, compile_ways.ATTENTION_AS_MATH)):
             cache = decode_step.GraphCache.for_model(model, batch, COMPILED.context)
-            decode_step.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder)
+            decode_step.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder,
+                                   pick=())  # FastEngine's greedy step, which the tests of the ways load

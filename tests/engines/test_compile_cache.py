@@ -20,7 +20,7 @@ from engines.fast_engine import FastEngine
 from engines.serving import ServingEngine
 from engines.compile_ways import compiler_missing
 from helpers import run_main
-from support import AS_SET, COMPILED, COMPILED_ROWS, compiled_model
+from support import AS_SET, COMPILED, COMPILED_ROWS, TIMED_WAYS, compiled_model
 from errors import CompileFailed
 from model import Config
 from prefill_clone import Engine, KVCache
@@ -274,12 +274,14 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_before_any_read(
 def test_each_way_is_timed_the_fastest_runs_and_later_steps_load_only_it(
         kept_every_way, monkeypatch):
     monkeypatch.setattr(compile_ways, "COMPILE_WAYS", AS_SET)
-    ways = compile_ways.compile_ways(torch.device("cpu"), B)
+    every = compile_ways.compile_ways(torch.device("cpu"), B)
     # dot products are not worth compiling for B rows: each row would read every weight again
-    assert compile_ways.DOT_PRODUCTS not in ways and B > AS_SET["cpu"][compile_ways.DOT_PRODUCTS]["max_rows"]
-    assert compile_ways.ATTENTION_AS_MATH in ways and compile_ways.ATTENTION_AS_MATH in compile_ways.compile_ways(
+    assert compile_ways.DOT_PRODUCTS not in every and B > AS_SET["cpu"][compile_ways.DOT_PRODUCTS]["max_rows"]
+    assert compile_ways.ATTENTION_AS_MATH in every and compile_ways.ATTENTION_AS_MATH in compile_ways.compile_ways(
         torch.device("cpu"), 1)
-    model, folder, _ = kept_every_way  # conftest.compile_ahead kept a package for each way there
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", TIMED_WAYS)  # two of them, one autotuned
+    ways = compile_ways.compile_ways(torch.device("cpu"), B)
+    model, folder, _ = kept_every_way  # conftest.compile_ahead kept a package for each of those ways there
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
     step = engine.steps[B, ()]
@@ -306,7 +308,7 @@ def test_each_way_is_timed_the_fastest_runs_and_later_steps_load_only_it(
     with open(choice, "w") as f:
         f.write("{not json")  # unreadable: timed again, and left as it is
     monkeypatch.undo()
-    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", AS_SET)
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", TIMED_WAYS)
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(B)
     assert engine.steps[B, ()].loaded and set(engine.steps[B, ()].way_ms) == set(ways)
@@ -318,7 +320,7 @@ def test_kept_times_out_of_line_with_the_next_sizes_are_timed_again_and_replaced
     the next size's is timed again when a runner makes its steps, and the new times kept in place of the old."""
     assert runner.out_of_line({8: 2.7, 16: 15.8}) == [16] and runner.out_of_line({4: 9.0, 8: 3.0}) == [4]
     assert runner.out_of_line({1: 0.67, 2: 0.9, 4: 1.22, 8: 3.0, 16: 4.38}) == []
-    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", AS_SET)
+    monkeypatch.setattr(compile_ways, "COMPILE_WAYS", TIMED_WAYS)
     model, folder, _ = kept_every_way
     step = runner.StepRunner(model, B, [B], compile=True, compile_cache=folder).step(B, ())  # FastEngine's, greedy
     ways = compile_ways.compile_ways(torch.device("cpu"), B)

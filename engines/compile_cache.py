@@ -88,7 +88,8 @@ def weights_digest(model):
 
 
 # the files of this folder whose code a compiled step runs, or which decide how it is exported and keyed
-STEP_CODE = ("compile_cache.py", "compile_ways.py", "decode_step.py", "graph_pick.py", "int8.py", "matmul.py")
+STEP_CODE = ("compile_cache.py", "compile_ways.py", "decode_step.py", "graph_pick.py", "int8.py", "matmul.py",
+             "row_cache.py")
 
 
 def step_sources(model, cache):

@@ -93,6 +93,43 @@ def say(message):
     print(f"{os.path.basename(sys.argv[0]) or 'python'}: {message}", file=sys.stderr)
 
 
+def kept_or_compiled(exported, options, key, folder, what, name, device):
+    """(runner, package path, whether it was loaded) for a program AOTInductor compiles with inductor's `options`
+    from exported() (a torch.export program) under `key` (compile_cache.step_keys): loaded where a package is kept
+    in folder for the key, else compiled and kept there. what, name: the program and its way, for the messages."""
+    path = package_path(folder, key)
+    if os.path.lexists(path):
+        runner, unusable = load_package(path, key)
+        if runner is not None:
+            say(f"{what}: loaded from {shown(path)}")
+            return runner, path, True
+        say(f"{what}: {shown(path)} cannot be used ({unusable}); compiling anew and leaving that "
+            "file as it is (delete it to keep the new one there)")
+    # a kept program loads without a C++ compiler; only compiling needs one
+    check_compiler(device, f"or run without compiling (no compiled step is kept at {shown(path)})")
+    say(f"{what}: compiling (a minute or so), to keep in {shown(path)}")
+    package = io.BytesIO()
+    with torch.no_grad(), warnings.catch_warnings():
+        # raised by torch.export and by inductor's autotuner about their own internals
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated")
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        try:
+            torch._inductor.aoti_compile_and_package(
+                exported(), package_path=package, inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
+        except Exception as e:  # a C++ build that breaks, an autotuner that fails: said, never a traceback
+            raise CompileFailed(f"{what}, compiled {name!r}, failed inside inductor ({first_line(e)}); run "
+                                "without compiling, or see that the C++ compiler works") from None
+    try:
+        with atomic_write(path) as f:
+            f.write(package.getbuffer())
+    except FileExistsError:  # another run kept this key's package first, or a file unusable here is there
+        pass
+    runner, unusable = load_package(package, key)
+    if runner is None:
+        raise RuntimeError(f"{what} was compiled but cannot be loaded ({unusable})")
+    return runner, path, False
+
+
 class DecodeStep:
     """model.step for one token per row, graph-safe, optionally compiled and/or captured as a CUDA graph.
 
@@ -213,40 +250,10 @@ class DecodeStep:
     def _kept_or_compiled(self, way, key, folder, name="plain"):
         """(runner, package path, whether it was loaded) for the step compiled `way` (a COMPILE_WAYS entry)
         under `key` (its step_keys): loaded where a package is kept for the key, else compiled and kept."""
-        path = package_path(folder, key)
-        rows = f"the compiled decode step for {self.cache.shape['batch']} rows"
-        if os.path.lexists(path):
-            runner, unusable = load_package(path, key)
-            if runner is not None:
-                say(f"{rows}: loaded from {shown(path)}")
-                return runner, path, True
-            say(f"{rows}: {shown(path)} cannot be used ({unusable}); compiling anew and leaving that "
-                "file as it is (delete it to keep the new one there)")
-        # a kept step loads without a C++ compiler; only compiling needs one
-        check_compiler(self.cache.k.device, f"or run without compiling (no compiled step is kept at {shown(path)})")
-        say(f"{rows}: compiling (a minute or so), to keep in {shown(path)}")
-        package = io.BytesIO()
-        with torch.no_grad(), warnings.catch_warnings():
-            # raised by torch.export and by inductor's autotuner about their own internals
-            warnings.filterwarnings("ignore", "TypedStorage is deprecated")
-            warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            options = {name: value for name, value in way.items() if name not in WAY_FIELDS}
-            try:
-                torch._inductor.aoti_compile_and_package(
-                    self.exported(way), package_path=package,
-                    inductor_configs={**options, "aot_inductor.metadata": {KEY_FIELD: key}})
-            except Exception as e:  # a C++ build that breaks, an autotuner that fails: said, never a traceback
-                raise CompileFailed(f"{rows}, compiled {name!r}, failed inside inductor ({first_line(e)}); run "
-                                    "without compiling, or see that the C++ compiler works") from None
-        try:
-            with atomic_write(path) as f:
-                f.write(package.getbuffer())
-        except FileExistsError:  # another run kept this key's package first, or a file unusable here is there
-            pass
-        runner, unusable = load_package(package, key)
-        if runner is None:
-            raise RuntimeError(f"{rows} was compiled but cannot be loaded ({unusable})")
-        return runner, path, False
+        options = {option: value for option, value in way.items() if option not in WAY_FIELDS}
+        return kept_or_compiled(lambda: self.exported(way), options, key, folder,
+                                f"the compiled decode step for {self.cache.shape['batch']} rows", name,
+                                self.cache.k.device)
 
     def exported(self, way):
         """The step as torch.export makes it for `way` (a COMPILE_WAYS entry): one program for every number

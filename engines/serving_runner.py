@@ -5,15 +5,16 @@ engines/runner.py: eager, or compiled, on CUDA captured as a graph, one a size),
 next token at its own position; the other rows a step runs over (prefilling, or free) are fed a token at the
 first position they have not written, which the keys that belong there overwrite before anything reads them.
 The prompt chunks run into their rows, those of about one length in one forward of the lesson's
-CachedGPT.step (engines/row_cache.py's prompt_step, each query masked at its own position). Each sequence's
+CachedGPT.step (engines/row_cache.py's prompt_step, each query masked at its own position); where the decode
+steps are compiled on a CPU, one chunk a call through its compiled program (row_cache.CompiledChunks). Each sequence's
 next token is picked as the lesson's Engine picks it for that request alone: its generator, its knobs, its
 history.
 """
 import torch
 
 from engines.rope import with_row_attention
-from engines.row_cache import prompt_step
-from engines.runner import StepRunner
+from engines.row_cache import CompiledChunks, prompt_step
+from engines.runner import StepRunner, compiles_in_process
 from model import check_finite
 
 
@@ -27,6 +28,7 @@ class ServingRunner:
         self.prompt_model = with_row_attention(model)  # the prompts' chunks, each query masked at its position
         self.steps = StepRunner(model, max_rows, [max_rows] if fixed_shapes else None, compile, compile_cache).made()
         self.rows, self.device = self.steps.cache, model.emb.weight.device
+        self.chunks = self._compiled_chunks(compile, compile_cache)
         self.on_logits = None
 
     def use_compiled(self, compile_cache=None):
@@ -34,6 +36,14 @@ class ServingRunner:
         ready runs it on the rows and puts them back as they were, so call it between two steps."""
         self.steps = StepRunner(self.model, self.rows.shape["batch"], self.steps.sizes, True, compile_cache,
                                 cache=self.rows).made()
+        self.chunks = self._compiled_chunks(True, compile_cache)
+
+    def _compiled_chunks(self, compile, compile_cache):
+        """The prompt chunks compiled (row_cache.CompiledChunks) where the decode steps are compiled on a CPU; None:
+        eager, as on CUDA, where compiled programs are made in the process and never kept as packages."""
+        if not compile or self.fixed_shapes or compiles_in_process(self.device):
+            return None
+        return CompiledChunks(self.model, self.rows, compile_cache)
 
     def decode(self, plan):
         """{sequence: the scores its next token is picked from} for the plan's decoding rows: the decode step over
@@ -55,6 +65,8 @@ class ServingRunner:
 
     def prefill(self, plan):
         """{sequence: the scores of its chunk's last token} for the plan's prompt chunks."""
+        if self.chunks is not None:  # compiled: a chunk a call
+            return {s: self.chunks(s.row, s.tokens[a:b], a)[0] for s, a, b in plan.chunks}
         scores = {}
         for group in self._by_length(plan.chunks):
             logits = prompt_step(self.prompt_model, self.rows, [(s.row, s.tokens[a:b], a) for s, a, b in group])

@@ -180,13 +180,17 @@ def test_every_request_gets_its_engine_alone_tokens_whatever_arrives_when(seed, 
 @pytest.mark.parametrize("seed", range(2))
 def test_on_the_compiled_decode_step_every_request_still_gets_the_engines_tokens(seed, every_way_compiled):
     """The decode step FastEngine compiled for COMPILED_ROWS rows, loaded from the compile cache (one program for
-    both: the same cache), and the steps over fewer rows compiled ahead, serving random arrivals."""
+    both: the same cache), the steps over fewer rows and the prompt chunk's program compiled ahead, serving random
+    arrivals."""
     arrivals, shape = random_trial(seed)
     compiled = every_way_compiled
-    engine = ServingEngine(compiled.model, TOK, **{**shape, "max_rows": COMPILED_ROWS}, compile=True,
-                           compile_cache=compiled.folder)
+    shape |= {"max_rows": COMPILED_ROWS, "prefill_chunk": max(4, shape["prefill_chunk"])}
+    engine = ServingEngine(compiled.model, TOK, **shape, compile=True, compile_cache=compiled.folder)
     assert all(step.loaded for step in engine.runner.steps.kept.values()) and engine.runner.steps.sizes == [1, 2, COMPILED_ROWS]
+    chunks, program = [], engine.runner.chunks.runner
+    engine.runner.chunks.runner = lambda tokens, *rest: chunks.append(tokens.shape[1]) or program(tokens, *rest)
     events = serve(engine, arrivals)
+    assert chunks and max(chunks) > 1  # the compiled program ran the prompts' chunks
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
         check_events(r, events[r.id])

@@ -51,19 +51,21 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def compiling(request, tmp_path_factory):
-    """compile_ahead, in a process of its own started with the session, when any test will run a compiled
-    step (compiling is mostly one core's work, and many tests leave the other idle): (home, folder, process,
+    """compile_ahead, in two processes of their own started with the session, when any test will run a compiled
+    step (compiling is mostly one core's work, and many tests leave a core idle): (home, folder, processes,
     plain_kept)."""
     home = tmp_path_factory.mktemp("compiled")
     spawn = multiprocessing.get_context("spawn")
-    folder, process, plain_kept = home / "tiny-gpt", None, spawn.Event()
+    folder, processes, plain_kept = home / "tiny-gpt", [], spawn.Event()
     if any(uses(item, "compiled") for item in request.session.items):
-        process = spawn.Process(target=compile_ahead, args=(str(folder), plain_kept))
-        process.start()
-    yield home, folder, process, plain_kept
-    if process is not None and process.is_alive():  # only a run stopped early (-x) gets here before it ends
-        process.terminate()
-        process.join()
+        processes = [spawn.Process(target=compile_ahead, args=args) for args in ((str(folder), plain_kept), (str(folder),))]
+        for process in processes:
+            process.start()
+    yield home, folder, processes, plain_kept
+    for process in processes:
+        if process.is_alive():  # only a run stopped early (-x) gets here before it ends
+            process.terminate()
+            process.join()
 
 
 @pytest.fixture(scope="session")
@@ -72,9 +74,9 @@ def compiled(compiling, one_plain_compile_way):
     the compile cache `folder` (the default one when XDG_CACHE_HOME is `home`), where compile_ahead keeps
     every step the tests run compiled; a step it did not keep (it failed) is compiled here."""
     from engines.fast_engine import FastEngine
-    home, folder, process, plain_kept = compiling
-    # process is None where no collected test asked for this fixture by name (getfixturevalue)
-    while process is not None and process.is_alive() and not plain_kept.wait(1):
+    home, folder, processes, plain_kept = compiling
+    # no processes where no collected test asked for this fixture by name (getfixturevalue)
+    while processes and processes[0].is_alive() and not plain_kept.wait(1):
         pass
     model = compiled_model()
     f32 = FastEngine(model, compile=True, compile_cache=folder)
@@ -88,7 +90,6 @@ def compiled(compiling, one_plain_compile_way):
 @pytest.fixture(scope="session")
 def every_way_compiled(compiled, compiling):
     """`compiled`, once compile_ahead has kept every step it compiles (the autotuned ways, dot products)."""
-    process = compiling[2]
-    if process is not None:
+    for process in compiling[2]:
         process.join()
     return compiled

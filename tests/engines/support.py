@@ -49,14 +49,19 @@ def compiled_model():
     return model
 
 
-def compile_ahead(folder, plain_kept):
-    """compiled_model()'s steps compiled into folder, as the tests run them: for COMPILED_ROWS rows float32
-    and int8 the plain way, greedy and sampled (then plain_kept is set: what the `compiled` fixture loads),
-    for PICK_ROWS greedy and with every knob, ServingEngine's steps over fewer rows, float32 the autotuned
-    way of TIMED_WAYS, and for one row float32 the dot-products way (what `every_way_compiled` waits for)."""
+def compile_ahead(folder, plain_kept=None):
+    """compiled_model()'s steps compiled into folder, as the tests run them, in two processes (the suite's
+    critical path; each on a core the tests leave idle). With plain_kept, the first: for COMPILED_ROWS rows
+    float32 and int8 the plain way, greedy and sampled (then plain_kept is set: what the `compiled` fixture
+    loads), for PICK_ROWS greedy and with every knob. Without, the rest: ServingEngine's steps over fewer rows
+    and its prompt chunk's program, float32 the autotuned way of TIMED_WAYS, and for one row float32 the
+    dot-products way. `every_way_compiled` waits for both."""
     os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
     compile_ways.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()
+    if plain_kept is None:
+        compile_the_rest(model, folder)
+        return
     for dtype in (torch.float32, torch.int8):
         engine = fast_engine.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder)
         for knobs in GREEDY_AND_SAMPLED:  # the step with each pick the tests ask of it
@@ -66,6 +71,9 @@ def compile_ahead(folder, plain_kept):
     for rows in PICK_ROWS:  # tests/engines/test_graph_pick.py's: greedy, and every knob
         for knobs in ({"temperature": 0}, {"top_k": 2, "top_p": 0.5, "penalty": 1.1}):
             f32.prepare(rows, [knobs])
+
+
+def compile_the_rest(model, folder):
     serving.ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=folder)  # its fewer rows
     with torch.inference_mode():
         for batch, way in ((1, compile_ways.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned")):

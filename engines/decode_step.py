@@ -93,6 +93,13 @@ def say(message):
     print(f"{os.path.basename(sys.argv[0]) or 'python'}: {message}", file=sys.stderr)
 
 
+def as_close_as_eager(got, want, dtype):
+    """Whether a compiled program's output is its eager forward's: compiled and eager sum in other orders, so as
+    close as two float32 forwards are, or a few steps of a narrower dtype."""
+    share = 1e-3 if dtype == torch.float32 else 5e-2
+    return (got - want).abs().max().item() <= share * max(1.0, want.abs().max().item())
+
+
 def kept_or_compiled(exported, options, key, folder, what, name, device):
     """(runner, package path, whether it was loaded) for a program AOTInductor compiles with inductor's `options`
     from exported() (a torch.export program) under `key` (compile_cache.step_keys): loaded where a package is kept
@@ -298,9 +305,7 @@ class DecodeStep:
         compiled, eager = self._rehearse(self.run), self._rehearse(self._step)
         made, advice = ((shown(self.package), "; delete that file and run again") if self.package else
                         ("made by torch.compile", ""))
-        # compiled and eager sum in other orders: as close as two float32 forwards, or a few bfloat16 steps
-        share = 1e-3 if self.cache.heads_k.dtype == torch.float32 else 5e-2
-        close = lambda a, b: (a - b).abs().max().item() <= share * max(1.0, b.abs().max().item())
+        close = lambda a, b: as_close_as_eager(a, b, self.cache.heads_k.dtype)  # noqa: E731
         tokens = compiled.pop(1) if self.pick is not None else None
         if self.pick is not None:
             eager.pop(1)

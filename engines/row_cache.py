@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from engines.compile_cache import check_compile_cache, step_keys
-from engines.decode_step import kept_or_compiled
+from engines.decode_step import as_close_as_eager, kept_or_compiled
 from engines.rope import with_row_attention
 from prefill_clone import LayerView
 
@@ -137,16 +137,15 @@ class CompiledChunks:
         return self.runner(tokens, self.rows.heads_k, self.rows.heads_v, *self._at(row, start))
 
     def _check_against_eager(self):
-        """Refuse a program whose first chunk's logits or keys are not the eager forward's (as close as two float32
-        forwards); row 0 is put back as it was."""
+        """Refuse a program whose first chunk's logits or keys are not the eager forward's (as_close_as_eager); row 0
+        is put back as it was."""
         kept = self.rows.heads_k[:, 0].clone(), self.rows.heads_v[:, 0].clone()
         ids = list(range(1, 9))
         with torch.no_grad():
             want, keys = prompt_step(self.eager, self.rows, [(0, ids, 0)]), self.rows.heads_k[:, 0, :, :8].clone()
             got = self(0, ids, 0)
-            share = 1e-3 if want.dtype == torch.float32 else 5e-2  # as DecodeStep's check: two forwards' sums
-            close = lambda a, b: (a - b).abs().max().item() <= share * max(1.0, b.abs().max().item())  # noqa: E731
-            ok = close(got, want) and close(self.rows.heads_k[:, 0, :, :8], keys)
+            dtype = self.rows.heads_k.dtype
+            ok = as_close_as_eager(got, want, dtype) and as_close_as_eager(self.rows.heads_k[:, 0, :, :8], keys, dtype)
             self.rows.heads_k[:, 0], self.rows.heads_v[:, 0] = kept
         if not ok:
             raise RuntimeError("the compiled prompt chunk does not compute what the eager forward does; delete its "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines import compile_ways
-from support import COMPILED_ROWS, GREEDY_AND_SAMPLED, compile_ahead, compiled_model, plain_ways
+from support import COMPILED_KNOBS, COMPILED_ROWS, compile_ahead, compiled_model, plain_ways
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def compiling(request, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def compiled(compiling, one_plain_compile_way):
-    """compiled_model()'s step for COMPILED_ROWS rows in float32 and in int8, in Engines that loaded them from
+    """compiled_model()'s steps of COMPILED_KNOBS for COMPILED_ROWS rows, in float32 and int8 Engines loaded from
     the compile cache `folder` (the default one when XDG_CACHE_HOME is `home`), where compile_ahead keeps
     every step the tests run compiled; a step it did not keep (it failed) is compiled here."""
     from engines.fast_engine import FastEngine
@@ -79,12 +79,11 @@ def compiled(compiling, one_plain_compile_way):
     while processes and processes[0].is_alive() and not plain_kept.wait(1):
         pass
     model = compiled_model()
-    f32 = FastEngine(model, compile=True, compile_cache=folder)
-    int8 = FastEngine(model, dtype=torch.int8, compile=True, compile_cache=folder)
-    for engine in (f32, int8):
-        for knobs in GREEDY_AND_SAMPLED:
-            engine.prepare(COMPILED_ROWS, [knobs])
-    return SimpleNamespace(model=model, home=home, folder=folder, f32=f32, int8=int8)
+    engines = {dtype: FastEngine(model, dtype=dtype, compile=True, compile_cache=folder) for dtype in COMPILED_KNOBS}
+    for dtype, knobs in COMPILED_KNOBS.items():
+        for one in knobs:
+            engines[dtype].prepare(COMPILED_ROWS, [one])
+    return SimpleNamespace(model=model, home=home, folder=folder, f32=engines[torch.float32], int8=engines[torch.int8])
 
 
 @pytest.fixture(scope="session")

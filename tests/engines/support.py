@@ -35,8 +35,10 @@ def plain_ways(ways):
 # so every step the tests run compiled is compiled once, ahead, and loaded by the tests after.
 COMPILED = Config(d_model=64, n_heads=4, n_layers=2, context=32)
 COMPILED_ROWS = 3  # more than one: each row at its own position in the cache
-GREEDY_AND_SAMPLED = ({"temperature": 0}, {"temperature": 1.0})  # the compiled Engines' tests' knobs
-PICK_ROWS = (1, 16)
+# the knobs of the steps the `compiled` fixture loads: float32's greedy and sampled, int8's greedy (its pick is
+# float32's); and test_graph_pick's step with every stage of the pick
+COMPILED_KNOBS = {torch.float32: ({"temperature": 0}, {"temperature": 1.0}), torch.int8: ({"temperature": 0},)}
+EVERY_KNOB = {"top_k": 2, "top_p": 0.5, "penalty": 1.1}
 
 
 def compiled_model():
@@ -51,32 +53,30 @@ def compiled_model():
 
 def compile_ahead(folder, plain_kept=None):
     """compiled_model()'s steps compiled into folder, as the tests run them, in two processes (the suite's
-    critical path; each on a core the tests leave idle). With plain_kept, the first: for COMPILED_ROWS rows
-    float32 and int8 the plain way, greedy and sampled (then plain_kept is set: what the `compiled` fixture
-    loads), for PICK_ROWS greedy and with every knob. Without, the rest: ServingEngine's steps over fewer rows
-    and its prompt chunk's program, float32 the autotuned way of TIMED_WAYS, and for one row float32 the
-    dot-products way. `every_way_compiled` waits for both."""
+    critical path; each on a core the tests leave idle). With plain_kept, the first: COMPILED_KNOBS' steps for
+    COMPILED_ROWS rows the plain way (then plain_kept is set: what the `compiled` fixture loads), the step with
+    EVERY_KNOB, and for one row float32 the dot-products way. Without, the rest: ServingEngine's steps over
+    fewer rows and its prompt chunk's program, and float32 the autotuned way of TIMED_WAYS. `every_way_compiled`
+    waits for both."""
     os.nice(19)  # on the cores the tests leave idle: a test's torch threads stall when they must share one
     compile_ways.COMPILE_WAYS = plain_ways(AS_SET)  # as one_plain_compile_way sets them in the suite
     model = compiled_model()
     if plain_kept is None:
-        compile_the_rest(model, folder)
+        serving.ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=folder)  # fewer rows
+        compile_one_way(model, folder, COMPILED_ROWS, "autotuned")
         return
-    for dtype in (torch.float32, torch.int8):
+    for dtype, knobs in COMPILED_KNOBS.items():
         engine = fast_engine.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder)
-        for knobs in GREEDY_AND_SAMPLED:  # the step with each pick the tests ask of it
-            engine.prepare(COMPILED_ROWS, [knobs])
+        for one in knobs:
+            engine.prepare(COMPILED_ROWS, [one])
     plain_kept.set()
-    f32 = fast_engine.FastEngine(model, compile=True, compile_cache=folder)
-    for rows in PICK_ROWS:  # tests/engines/test_graph_pick.py's: greedy, and every knob
-        for knobs in ({"temperature": 0}, {"top_k": 2, "top_p": 0.5, "penalty": 1.1}):
-            f32.prepare(rows, [knobs])
+    fast_engine.FastEngine(model, compile=True, compile_cache=folder).prepare(COMPILED_ROWS, [EVERY_KNOB])
+    compile_one_way(model, folder, 1, compile_ways.DOT_PRODUCTS)
 
 
-def compile_the_rest(model, folder):
-    serving.ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=folder)  # its fewer rows
+def compile_one_way(model, folder, rows, way):
+    """FastEngine's greedy step for `rows` rows compiled `way` alone, which the tests of the ways load."""
     with torch.inference_mode():
-        for batch, way in ((1, compile_ways.DOT_PRODUCTS), (COMPILED_ROWS, "autotuned")):
-            cache = decode_step.GraphCache.for_model(model, batch, COMPILED.context)
-            decode_step.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder,
-                                   pick=())  # FastEngine's greedy step, which the tests of the ways load
+        cache = decode_step.GraphCache.for_model(model, rows, COMPILED.context)
+        decode_step.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder,
+                               pick=())

@@ -366,7 +366,7 @@ def test_one_rows_step_compiled_as_dot_products_gives_the_eager_tokens(kept_ever
     engine = FastEngine(model, compile=True, compile_cache=folder)
     engine.prepare(1)
     assert engine.steps[1, ()].way == compile_ways.DOT_PRODUCTS
-    assert_eager_tokens(engine, model, 1)
+    assert_eager_tokens(engine, model, 1, GREEDY)  # the way computes the scores; the sampled pick is tested apart
 
 
 @pytest.mark.parametrize("kind", ["fifo", "folder", "huge"])

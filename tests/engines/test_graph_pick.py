@@ -1,5 +1,5 @@
 """engines/graph_pick.py: the pick inside the compiled step picks what sampling.pick picks, row by row, and
-FastEngine's compiled loop gives the lesson Engine's tokens at 1 and 16 rows, greedy and sampled."""
+FastEngine's compiled loop gives the lesson Engine's tokens for rows at settings of their own, greedy and sampled."""
 import pytest
 import torch
 
@@ -61,17 +61,16 @@ def test_the_program_is_made_only_for_the_knobs_some_row_uses():
     assert stages_for([dict(top_p=0.9), dict(top_k=3, penalty=0.9)], VOCAB) == STAGES
 
 
-ROW_SETTINGS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.1, top_k=20, penalty=1.3),
-                dict(temperature=0, penalty=1.2)]
+ROW_SETTINGS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.1, top_k=20, penalty=1.3)]
 
 
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
-@pytest.mark.parametrize("rows", [1, 16])
-def test_the_compiled_loop_gives_the_lesson_engines_tokens_greedy_and_sampled(rows, every_way_compiled):
-    model, folder = every_way_compiled.model, every_way_compiled.folder
+def test_the_compiled_loop_gives_the_lesson_engines_tokens_greedy_and_sampled(every_way_compiled):
+    model, folder, rows = every_way_compiled.model, every_way_compiled.folder, COMPILED_ROWS
     fast, lesson = FastEngine(model, compile=True, compile_cache=folder), Engine(model)
     n = model.cfg.context - len(PROMPT) + 4  # past the window: the ring's positions too
-    for kwargs in (dict(temperature=0), dict(settings=(ROW_SETTINGS * 4)[:rows], seed=list(range(7, 7 + rows)))):
+    assert stages_for(ROW_SETTINGS, model.cfg.vocab_size) == STAGES  # each row its own knobs: every stage of the pick
+    for kwargs in (dict(temperature=0), dict(settings=ROW_SETTINGS, seed=list(range(7, 7 + rows)))):
         assert fast.generate_batch(PROMPT, rows, max_tokens=n, **kwargs) == \
             lesson.generate_batch(PROMPT, rows, max_tokens=n, **kwargs)
     forced = [[1, 2, 3]] + [[]] * (rows - 1)  # forced tokens are fed in place of the pick; a stop ends a row
@@ -100,10 +99,8 @@ def counted_steps(engine, rows, marked_at=None):
 
 
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
-@pytest.mark.parametrize("rows", [1, 16])
-def test_steps_run_ahead_only_where_no_token_decides_the_next_nor_past_the_end(
-        rows, every_way_compiled):
-    engine = FastEngine(every_way_compiled.model, compile=True, compile_cache=every_way_compiled.folder)
+def test_steps_run_ahead_only_where_no_token_decides_the_next_nor_past_the_end(compiled):
+    engine, rows = FastEngine(compiled.model, compile=True, compile_cache=compiled.folder), COMPILED_ROWS
     calls, run, step = counted_steps(engine, rows)
     try:
         n = engine.model.cfg.context + 5  # past the window, and more than AHEAD steps (one run ahead, then the rest)
@@ -121,9 +118,8 @@ def test_steps_run_ahead_only_where_no_token_decides_the_next_nor_past_the_end(
 
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 @pytest.mark.parametrize("marked_at", [1, 3, fast_engine.AHEAD + 2])
-def test_non_finite_scores_stop_steps_run_ahead_at_their_token(
-        marked_at, every_way_compiled):
-    engine = FastEngine(every_way_compiled.model, compile=True, compile_cache=every_way_compiled.folder)
+def test_non_finite_scores_stop_steps_run_ahead_at_their_token(marked_at, compiled):
+    engine = FastEngine(compiled.model, compile=True, compile_cache=compiled.folder)
     calls, run, step = counted_steps(engine, COMPILED_ROWS, marked_at)
     try:
         message = f"scores for new token {marked_at} are NaN or infinite"

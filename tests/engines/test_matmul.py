@@ -200,7 +200,7 @@ def test_every_int8_kernel_computes_the_int8_product(name):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_an_int8_products_error_stays_within_half_a_step_of_each_factor_against_float64():
+def test_an_int8_products_error_is_within_half_a_step_of_each_factor_vs_float64():
     """|sum x w - sum x' w'| <= sum |x| s_w / 2 + sum |w'| s_x / 2, x' and w' each within half its
     row's step (s_x, s_w) of x and w: the bound a product of this model's sizes keeps, at 1 and 16 rows."""
     gen = torch.Generator().manual_seed(0)

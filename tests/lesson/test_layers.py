@@ -80,7 +80,7 @@ def test_a_lesson_script_loads_the_folder_only_inside_the_branch_a_flag_takes(sc
     assert not any(m.startswith("engines") for m in reached(script, edges) | edges[script])
 
 
-def test_importing_the_lesson_and_its_scripts_loads_nothing_of_the_folder_nor_model_the_command_line():
+def test_importing_the_lesson_loads_nothing_of_engines_and_model_py_no_cli():
     # model.py and sampling.py need no command line; speed is applied from outside: the lesson never imports it
     code = ("import sys, model, sampling; print('cli' in sys.modules); "
             "import bench, cached, prefill_clone, sample_grid, bpe, train; "

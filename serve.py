@@ -17,9 +17,10 @@ within --cache-mib, so a chat's next turn prefills only its new tokens. On a CPU
 on its eager decode steps; the compiled ones are made in a process of their own (about ten minutes on 2
 cores the first time, every way worth trying timed; loaded from the compile cache after) and swapped in
 between two steps, the tokens unchanged, a line on stderr saying when. On CUDA (--device cuda) each size's
-step is compiled and captured as a CUDA graph before the ready line (seconds a size). --eager (or no C++ compiler here) keeps them
-eager, several times slower under load. The HTTP side, its fields and its chat template are engines/server.py's;
-who may use it (the Host and Origin a request names, --api-key, the body's size) engines/http_policy.py's.
+step is compiled and captured as a CUDA graph before the ready line (seconds a size). --eager (or no C++
+compiler here) keeps them eager, several times slower under load. The HTTP side is engines/server.py's, its
+fields and chat template engines/openai_request.py's; who may use it (the Host and Origin a request names,
+--api-key, the body's size) engines/http_policy.py's.
 One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, finishes those in
 flight (for at most STOP_SECONDS: a client that stalls cannot hold the stop) and exits.
 """

@@ -10,7 +10,7 @@ reply kept as its first HISTORY_TOKENS tokens so ten turns fit the 256-token win
 prompts of mixed length. At most --clients requests are in flight; a request that finds every client busy
 waits for one, and that wait counts in its time to first token. Every request is greedy (temperature 0)
 with the same max_tokens, sent as raw text to /v1/completions (the chat template built here, as
-engines/server.py's, with "\\nUser:" as a stop), so all three engines see the same tokens:
+engines/openai_request.py's, with "\\nUser:" as a stop), so all three engines see the same tokens:
 
   engine       one request at a time through the lesson's prefill_clone.Engine (the baseline, no cache)
   serve.py     this repo's server (engines/serving.py: continuous batching, prefix cache), streamed over HTTP,

@@ -1,4 +1,4 @@
-"""Who may use serve.py's server (engines/http_policy.py) and what a chat message may say (engines/server.py's
+"""Who may use serve.py's server (engines/http_policy.py) and what a chat message may say (engines/openai_request.py's
 template): another site's page, a DNS-rebinding name, a body sent as text/plain, a body past the limit, a
 request without the key, and a message forging another role's line are each refused before anything is
 generated; the page's answers carry the headers that keep it from being framed or sniffed.
@@ -19,7 +19,7 @@ needs("starlette")
 
 from cached import load_pair  # noqa: E402
 from engines.http_policy import MAX_BODY_BYTES, allowed_hosts  # noqa: E402
-from engines.server import ROLE_LINES, ROLES, Refused, chat_prompt  # noqa: E402
+from engines.openai_request import ROLE_LINES, ROLES, Refused, chat_prompt  # noqa: E402
 from servers import Running, Watched  # noqa: E402
 
 KEY = "sk-test-key"

@@ -22,6 +22,8 @@ import cached
 import checkpoint
 import cli
 import files
+import model
+import sampling
 import train as train_module
 from bpe import BPE
 from cli import run_cli, show_progress
@@ -220,6 +222,19 @@ def test_a_full_or_closed_stdout_ends_without_exception_ignored(script, stdout):
                                              "No space left on device\n")
     else:
         assert (proc.returncode, err) == (141, "")
+
+
+@pytest.mark.parametrize("script, says", [(model, "5,781,504"), (sampling, "self-check passed")],
+                         ids=["model.py", "sampling.py"])
+def test_a_self_checking_script_runs_its_check_help_skips_it_a_bad_flag_is_one_line(script, says, monkeypatch,
+                                                                                   capsys):
+    name = os.path.basename(script.__file__)  # model.py prints the post's parameter budget; sampling.py checks pick
+    status, out, err = run_main(script.main, [name], monkeypatch, capsys)
+    assert status == 0 and says in out, err
+    status, out, _ = run_main(script.main, [name, "--help"], monkeypatch, capsys)
+    assert status == 0 and out.startswith(f"usage: {name}") and says not in out
+    assert_refused(run_main(script.main, [name, "--stpes", "3"], monkeypatch, capsys),
+                   f"{name}: error: unrecognized arguments: --stpes 3 (see --help)")
 
 
 def test_run_cli_says_bad_input_in_one_line_and_a_bug_keeps_its_traceback(monkeypatch):

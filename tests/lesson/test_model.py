@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from dataclasses import dataclass
 
 import cached
-import model
 from cli import device_from
 from checkpoint import load_checkpoint, parameter_count, save_checkpoint
 from model import GPT, Config, check_finite
@@ -85,19 +84,6 @@ def test_untrained_loss_is_near_ln_vocab():
     with torch.no_grad():
         _, loss = GPT().eval()(idx[:, :-1], idx[:, 1:])
     assert abs(loss.item() - math.log(4096)) < 0.15
-
-
-def test_model_py_prints_the_budget(monkeypatch, capsys):
-    status, out, err = run_main(model.main, ["model.py"], monkeypatch, capsys)
-    assert status == 0, err
-    assert "5,781,504" in out
-
-
-def test_model_py_help_skips_the_self_check_and_a_bad_flag_is_one_line(monkeypatch, capsys):
-    status, out, _ = run_main(model.main, ["model.py", "--help"], monkeypatch, capsys)
-    assert status == 0 and out.startswith("usage: model.py") and "5,781,504" not in out
-    assert_refused(run_main(model.main, ["model.py", "--stpes", "3"], monkeypatch, capsys),
-                   "model.py: error: unrecognized arguments: --stpes 3 (see --help)")
 
 
 @pytest.mark.parametrize("temperature", [-1.0, 1e-320, math.inf, math.nan])

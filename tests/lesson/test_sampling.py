@@ -5,26 +5,11 @@ import re
 import pytest
 import torch
 
-import sampling
 from checks import check_knobs
 from errors import BadValue
 from sampling import pick
-from helpers import assert_refused, run_main
 
 G = torch.Generator
-
-
-def test_self_check_runs_from_the_command_line(monkeypatch, capsys):
-    status, out, err = run_main(sampling.main, ["sampling.py"], monkeypatch, capsys)
-    assert status == 0, err
-    assert "self-check passed" in out
-
-
-def test_help_prints_help_without_the_self_check_and_an_unknown_flag_is_one_line(monkeypatch, capsys):
-    status, out, _ = run_main(sampling.main, ["sampling.py", "--help"], monkeypatch, capsys)
-    assert status == 0 and out.startswith("usage: sampling.py") and "self-check passed" not in out
-    assert_refused(run_main(sampling.main, ["sampling.py", "--seed", "3"], monkeypatch, capsys),
-                   "sampling.py: error: unrecognized arguments: --seed 3 (see --help)")
 
 
 def test_greedy_settings_give_the_argmax_for_every_row():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines import compile_ways
-from support import COMPILED_KNOBS, COMPILED_ROWS, compile_ahead, compiled_model, plain_ways
+from support import compile_ahead, compiled_engines, compiled_model, plain_ways
 
 
 @pytest.fixture
@@ -73,16 +73,12 @@ def compiled(compiling, one_plain_compile_way):
     """compiled_model()'s steps of COMPILED_KNOBS for COMPILED_ROWS rows, in float32 and int8 Engines loaded from
     the compile cache `folder` (the default one when XDG_CACHE_HOME is `home`), where compile_ahead keeps
     every step the tests run compiled; a step it did not keep (it failed) is compiled here."""
-    from engines.fast_engine import FastEngine
     home, folder, processes, plain_kept = compiling
     # no processes where no collected test asked for this fixture by name (getfixturevalue)
     while processes and processes[0].is_alive() and not plain_kept.wait(1):
         pass
     model = compiled_model()
-    engines = {dtype: FastEngine(model, dtype=dtype, compile=True, compile_cache=folder) for dtype in COMPILED_KNOBS}
-    for dtype, knobs in COMPILED_KNOBS.items():
-        for one in knobs:
-            engines[dtype].prepare(COMPILED_ROWS, [one])
+    engines = compiled_engines(model, folder)
     return SimpleNamespace(model=model, home=home, folder=folder, f32=engines[torch.float32], int8=engines[torch.int8])
 
 

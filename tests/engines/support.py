@@ -65,13 +65,20 @@ def compile_ahead(folder, plain_kept=None):
         serving.ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=folder)  # fewer rows
         compile_one_way(model, folder, COMPILED_ROWS, "autotuned")
         return
-    for dtype, knobs in COMPILED_KNOBS.items():
-        engine = fast_engine.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder)
-        for one in knobs:
-            engine.prepare(COMPILED_ROWS, [one])
+    compiled_engines(model, folder)
     plain_kept.set()
     fast_engine.FastEngine(model, compile=True, compile_cache=folder).prepare(COMPILED_ROWS, [EVERY_KNOB])
     compile_one_way(model, folder, 1, compile_ways.DOT_PRODUCTS)
+
+
+def compiled_engines(model, folder):
+    """{dtype: a FastEngine with COMPILED_KNOBS' steps for COMPILED_ROWS rows}, loaded from folder or compiled there."""
+    engines = {dtype: fast_engine.FastEngine(model, dtype=dtype, compile=True, compile_cache=folder)
+               for dtype in COMPILED_KNOBS}
+    for dtype, knobs in COMPILED_KNOBS.items():
+        for one in knobs:
+            engines[dtype].prepare(COMPILED_ROWS, [one])
+    return engines
 
 
 def compile_one_way(model, folder, rows, way):

@@ -3,10 +3,10 @@
 #   docker run --rm --gpus all tiny-gpt                          # its self-checks, cached.py on the GPU
 #   docker run --rm --gpus all tiny-gpt python prefill_clone.py --device cuda
 #   docker run --rm --gpus all tiny-gpt python bench.py cuda --all
-# Serving: the second stage adds requirements-serve.txt (llama-cpp-python compiles llama.cpp: 15 minutes or more).
+# Serving: the second stage adds engines/requirements.txt (llama-cpp-python compiles llama.cpp: 15 minutes or more).
 #   docker build --target serve -t tiny-gpt-serve .
-#   docker run --rm --gpus all -p 8000:8000 tiny-gpt-serve python serve.py --host 0.0.0.0 --device cuda --api-key KEY
-#   docker run --rm --gpus all tiny-gpt-serve                    # every CUDA claim: engines/gpu_check.sh
+#   docker run --rm --gpus all -p 8000:8000 tiny-gpt-serve python -m engines.serve --host 0.0.0.0 --device cuda --api-key KEY
+#   docker run --rm --gpus all tiny-gpt-serve                    # every CUDA claim: engines/fast/gpu_check.sh
 FROM pytorch/pytorch:2.14.1-cuda13.2-cudnn9-runtime AS base
 
 # torch.compile's inductor builds its CPU kernels (and the compiled step's C++ wrapper) with g++,
@@ -14,16 +14,16 @@ FROM pytorch/pytorch:2.14.1-cuda13.2-cudnn9-runtime AS base
 # without it --compile on the CPU refuses.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-COPY requirements.txt requirements-serve.txt ./
+COPY requirements.txt engines/requirements.txt ./
 RUN pip install --no-cache-dir --break-system-packages -r requirements.txt
 
 FROM base AS serve
-RUN pip install --no-cache-dir --break-system-packages -r requirements-serve.txt
+RUN pip install --no-cache-dir --break-system-packages -r engines/requirements.txt
 # what .dockerignore lets in: the repo's own files, no corpus, venv or leftovers
 COPY . .
 # in a container the server listens beyond loopback (--host 0.0.0.0), where serve.py asks for --api-key or --allow-host
 EXPOSE 8000
-CMD ["bash", "engines/gpu_check.sh"]
+CMD ["bash", "engines/fast/gpu_check.sh"]
 
 FROM base AS lesson
 COPY . .

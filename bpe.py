@@ -10,18 +10,18 @@ tokenizer.json written by Part 1 loads and encodes here unchanged.
 trains a tokenizer on a text file, checks the round trip over the file's exact
 bytes and writes the file.
 """
+import argparse
 import hashlib
 import heapq
 import json
+import operator
+import os
+import sys
+import tempfile
 import time
 from collections import Counter
 
 import regex
-
-from checks import utf8_bytes
-from cli import Parser, as_id, run_cli, show_progress
-from errors import BadValue
-from files import atomic_write, check_input, check_output, shown
 
 MAX_MERGES = 65536 - 256  # ids must fit uint16, as Part 3's training stores them
 MAX_TOKEN_BYTES = 4096  # far above any real merge list; stops a file that would build gigabyte tokens
@@ -35,15 +35,31 @@ SPLIT_PATTERN = regex.compile(
 )
 
 
+def check_file(path, what, max_bytes, hint=""):
+    """A regular file of at most max_bytes, or a ValueError naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {path!r} is not a file{'; ' + hint if hint else ''}")
+    if os.path.getsize(path) > max_bytes:
+        raise ValueError(f"{what} {path!r} is larger than {max_bytes:,} bytes{'; ' + hint if hint else ''}")
+
+
+def utf8_bytes(text):
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text cannot be UTF-8 encoded ({e.reason} at index {e.start}); "
+                         "remove lone surrogates before tokenizing") from None
+
+
 def read_corpus(path, hint=""):
     """A text file exactly as its bytes say (no newline translation), or a one-line error."""
-    check_input(path, "corpus", MAX_CORPUS_BYTES, hint)
+    check_file(path, "corpus", MAX_CORPUS_BYTES, hint)
     with open(path, "rb") as f:
         raw = f.read()
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadValue(f"corpus {shown(path)} is not UTF-8 ({e.reason} at byte {e.start:,}); "
+        raise ValueError(f"corpus {path!r} is not UTF-8 ({e.reason} at byte {e.start:,}); "
                          "convert it to UTF-8 first") from None
 
 
@@ -84,40 +100,46 @@ class BPE:
 
     @classmethod
     def load(cls, path):
-        check_input(path, "tokenizer file", MAX_TOKENIZER_BYTES, "pass a Part 1 tokenizer.json")
+        check_file(path, "tokenizer file", MAX_TOKENIZER_BYTES, "pass a Part 1 tokenizer.json")
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadValue(f"{shown(path)} is not valid JSON ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
+            raise ValueError(f"{path!r} is not valid JSON ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
         except ValueError as e:  # an integer of thousands of digits: past Python's limit for converting one
-            raise BadValue(f"{shown(path)} holds a value JSON cannot be read into ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
+            raise ValueError(f"{path!r} holds a value JSON cannot be read into ({e}); expected {{\"merges\": [[a, b], ...]}}") from None
         except RecursionError:
-            raise BadValue(f"{shown(path)} is nested too deeply to be a tokenizer; expected {{\"merges\": [[a, b], ...]}}") from None
+            raise ValueError(f"{path!r} is nested too deeply to be a tokenizer; expected {{\"merges\": [[a, b], ...]}}") from None
         if not isinstance(data, dict) or set(data) != {"merges"} or not isinstance(data["merges"], list):
-            raise BadValue(f"{shown(path)} must hold exactly {{\"merges\": [[a, b], ...]}}")
+            raise ValueError(f"{path!r} must hold exactly {{\"merges\": [[a, b], ...]}}")
         if len(data["merges"]) > MAX_MERGES:
-            raise BadValue(f"{shown(path)} has {len(data['merges']):,} merges; at most {MAX_MERGES:,} fit uint16 ids")
+            raise ValueError(f"{path!r} has {len(data['merges']):,} merges; at most {MAX_MERGES:,} fit uint16 ids")
         lengths = [1] * 256
         for i, m in enumerate(data["merges"]):
             ok = isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m)
             if not ok:
-                raise BadValue(f"{shown(path)}: merge {i} is {m!r}, expected a pair of integer ids")
+                raise ValueError(f"{path!r}: merge {i} is {m!r}, expected a pair of integer ids")
             if not all(0 <= x < 256 + i for x in m):
-                raise BadValue(
-                    f"{shown(path)}: merge {i} {m} names an id not yet defined (ids so far are 0..{255 + i})"
+                raise ValueError(
+                    f"{path!r}: merge {i} {m} names an id not yet defined (ids so far are 0..{255 + i})"
                 )
             lengths.append(lengths[m[0]] + lengths[m[1]])
             if lengths[-1] > MAX_TOKEN_BYTES:
-                raise BadValue(f"{shown(path)}: merge {i} builds a token of {lengths[-1]:,} bytes; "
+                raise ValueError(f"{path!r}: merge {i} builds a token of {lengths[-1]:,} bytes; "
                                  f"a real tokenizer's tokens are far shorter than {MAX_TOKEN_BYTES:,}")
         return cls(data["merges"])
 
     def save(self, path, force=False):
         """Part 1's format, through a temporary file and a rename: a cut write leaves the old file whole,
         and an existing file is replaced only with force."""
-        with atomic_write(path, "w", force=force, encoding="utf-8") as f:
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), prefix=".tokenizer-",
+                                         encoding="utf-8", delete=False) as f:
             json.dump({"merges": [list(m) for m in self.merges]}, f)
+        try:
+            (os.replace if force else os.link)(f.name, path)  # os.link never replaces what stands at path
+        finally:
+            if os.path.exists(f.name):
+                os.unlink(f.name)
 
     def _merge_all(self, ids):
         """Part 1's rule in O(n log n): the lowest-id merge first, its occurrences left to right.
@@ -171,7 +193,11 @@ class BPE:
         return out
 
     def decode(self, ids):
-        return b"".join(self.vocab[as_id(i, "token id", self.vocab_size)] for i in ids).decode("utf-8", errors="replace")
+        ids = [operator.index(i) for i in ids]
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}")
+        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
 
     @classmethod
     def train(cls, text, vocab_size, progress=False):
@@ -184,7 +210,7 @@ class BPE:
         far it is on stderr.
         """
         if vocab_size < 256:
-            raise BadValue(f"vocab_size must be at least 256, got {vocab_size}")
+            raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
         chunk_counts = Counter(SPLIT_PATTERN.findall(text))
         chunks = [list(utf8_bytes(c)) for c in chunk_counts]
         weights = list(chunk_counts.values())
@@ -222,39 +248,46 @@ class BPE:
                     heapq.heappush(heap, (-counts[p], p))
                 else:
                     counts.pop(p)
-            if progress:
-                show_progress("merges", len(merges), n_merges, start)
-        if progress:  # clears the progress line, also when the text ran out of pairs before n_merges
-            show_progress("merges", n_merges, n_merges, start)
+            if progress and len(merges) % 256 == 0:
+                print(f"merges: {len(merges):,}/{n_merges:,} in {time.time() - start:.0f}s", file=sys.stderr)
         return cls(merges)
 
 
 def main():
-    ap = Parser(description="Train a byte-level BPE tokenizer on a text file.")
+    ap = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on a text file.")
     ap.add_argument("corpus", help="UTF-8 text file to train on")
     ap.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
     ap.add_argument("--out", default="tokenizer.json", help="where to write the merges")
     ap.add_argument("--force", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
     if not 256 <= args.vocab <= 256 + MAX_MERGES:
-        raise BadValue(f"--vocab must be in 256..{256 + MAX_MERGES}, got {args.vocab}")
+        ap.error(f"--vocab must be in 256..{256 + MAX_MERGES}, got {args.vocab}")
+    if os.path.lexists(args.out) and not args.force:
+        ap.error(f"{args.out!r} exists; pass --force to replace it, or another --out")
+    if os.path.exists(args.out) and os.path.samefile(args.out, args.corpus):
+        ap.error(f"--out {args.out!r} is the corpus itself; give another path")
+    try:
+        train(args)
+    except (ValueError, OSError) as e:  # the corpus or --out: what the user gave
+        sys.exit(f"bpe.py: error: {e}")
+
+
+def train(args):
     text = read_corpus(args.corpus)
     if not text:
-        raise BadValue(f"corpus {shown(args.corpus)} is empty; give a text to train on")
-    check_output(args.out, args.force, inputs=[args.corpus])
-
+        raise ValueError(f"corpus {args.corpus!r} is empty; give a text to train on")
     t0 = time.time()
     bpe = BPE.train(text, args.vocab, progress=True)
     t_train = time.time() - t0
     if bpe.vocab_size < args.vocab:
-        raise BadValue(f"corpus {shown(args.corpus)} runs out of pairs after learning {len(bpe.merges):,} of the "
+        raise ValueError(f"corpus {args.corpus!r} runs out of pairs after learning {len(bpe.merges):,} of the "
                          f"{args.vocab - 256:,} merges --vocab {args.vocab} needs; pass --vocab {bpe.vocab_size} "
                          "or less, or a bigger corpus")
     t0 = time.time()
     ids = bpe.encode(text)
     t_encode = time.time() - t0
     if bpe.decode(ids) != text:
-        raise BadValue("round trip failed: decode(encode(corpus)) differs from the corpus")
+        raise ValueError("round trip failed: decode(encode(corpus)) differs from the corpus")
     bpe.save(args.out, args.force)
     n_bytes = len(text.encode("utf-8"))
     print(f"trained {bpe.vocab_size:,} tokens in {t_train:.1f}s; wrote {args.out}")
@@ -263,4 +296,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    main()

@@ -3,7 +3,6 @@
 The prompt pass runs the whole prompt once and keeps each layer's keys and
 values in the post's dict per layer; every later step feeds one token at its
 true position (rope_at) and attends to the kept keys, unmasked (is_causal=T > 1).
-The same forward runs prefill_clone.py's ring, which writes in place.
 
     python cached.py [CHECKPOINT] [--prompt TEXT] [--tokens 600]
 
@@ -15,16 +14,15 @@ sees the whole text (context - prompt + 1 tokens), and says where they part.
 
 reproduce the two bugs and report after how many of 100 tokens each drifts.
 """
+import argparse
 import sys
 import time
 
 import torch
 
-from checkpoint import load_checkpoint, tokenizer_for
-from checks import check_kept_tokens, prompt_ids
-from cli import Parser, check_count, run_cli, with_progress
+from bpe import BPE
 # Config too: the series' scripts import it from here (`from cached import CachedGPT, Config`).
-from model import GPT, Block, Config, RoPEAttention, check_finite, greedy, in_training, rope_at  # noqa: F401
+from model import GPT, Config, RoPEAttention, check_finite, greedy, in_training, rope_at  # noqa: F401
 
 
 class CachedAttention(RoPEAttention):
@@ -33,22 +31,19 @@ class CachedAttention(RoPEAttention):
         self.context = cfg.context
 
     def forward(self, x, cache=None, start=0):
-        """With no cache this is Part 3's attention, so model(idx) still works. cache: the post's dict, or
-        one that writes in place (prefill_clone's ring), whose update(k, v, start) returns what to attend to."""
+        """With no cache this is Part 3's attention, so model(idx) still works."""
         T = x.shape[1]
         q, k, v = self.heads(x)
         # Gotcha 1: rotate the new tokens at their true positions; from 0, each new token would
         # look like the start of the text, and its distance to every cached key would be wrong.
         q, k = rope_at(q, start), rope_at(k, start)
-        if isinstance(cache, dict):
+        if cache is not None:
             if "k" in cache:
                 assert T == 1, "after the prompt, feed one token at a time"
                 k = torch.cat([cache["k"], k], dim=2)
                 v = torch.cat([cache["v"], v], dim=2)
             # keep the last `context`; this step still attends to all it has (context + 1 past the window)
             cache["k"], cache["v"] = k[:, :, -self.context:], v[:, :, -self.context:]
-        elif cache is not None:
-            k, v = cache.update(k, v, start)
         # Gotcha 2: SDPA's causal mask is aligned top-left; with one query it would hide every
         # key but the first, so mask only the prompt's many queries.
         return self.attend(q, k, v, is_causal=T > 1)
@@ -71,16 +66,16 @@ class AlwaysCausal(CachedAttention):
 GOTCHAS = {"rope": RopeFromZero, "mask": AlwaysCausal}  # --break NAME
 
 
-class CachedBlock(Block):
-    attention = CachedAttention
-
-
 class CachedGPT(GPT):
-    block = CachedBlock  # same parameter names, so Part 3 checkpoints load
+    def __init__(self, cfg=None, attention=CachedAttention):
+        super().__init__(cfg)
+        for block in self.blocks:  # same parameter names, so Part 3 checkpoints load
+            cached = attention(self.cfg)
+            cached.load_state_dict(block.attn.state_dict())  # and Part 3's init: the same untrained model
+            block.attn = cached
 
     def step(self, idx, caches, start):
-        """Run only the new tokens idx (B, T) at positions start..; the last position's logits (B, vocab).
-        caches: one cache per layer (the post's dicts, or a prefill_clone.KVCache)."""
+        """Run only the new tokens idx (B, T) at positions start..; the last position's logits (B, vocab)."""
         x = self.emb(idx)
         for block, cache in zip(self.blocks, caches):
             x = x + block.attn(block.norm1(x), cache, start)
@@ -103,8 +98,36 @@ class CachedGPT(GPT):
         return idx
 
 
-def load(path, device="cpu"):
-    return load_checkpoint(path, device, cls=CachedGPT)
+def load(path, device="cpu", attention=CachedAttention):
+    """A Part 3 checkpoint as a CachedGPT in eval mode. weights_only=True reads tensors and plain data, never
+    code; strict loading refuses a missing, extra or misshapen weight. Each refusal is a ValueError naming it."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        model = CachedGPT(Config(**ckpt["config"]), attention)
+        model.load_state_dict(ckpt["model"])
+    except FileNotFoundError:
+        raise ValueError(f"no checkpoint at {path!r}; pass a Part 3 .pt file") from None
+    except Exception as e:  # whatever torch.load, Config or load_state_dict says of a file that is not Part 3's
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path!r} is not a loadable Part 3 checkpoint ({reason[:200]})") from None
+    return model.to(device).eval()
+
+
+def load_tokenizer(path, model):
+    """Part 1's tokenizer, refused if its vocabulary is not the model's."""
+    tokenizer = BPE.load(path)
+    if tokenizer.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"{path!r} has {tokenizer.vocab_size} tokens but the model a vocabulary of "
+                         f"{model.cfg.vocab_size}; give the tokenizer it was trained with (--tokenizer)")
+    return tokenizer
+
+
+def encode(tokenizer, text, model):
+    """The prompt's ids (1, T) on the model's device."""
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one character")
+    return torch.tensor([ids], device=model.emb.weight.device)
 
 
 def first_difference(a, b):
@@ -117,15 +140,9 @@ def exact_tokens(context, n_prompt):
     return context - min(n_prompt, context) + 1
 
 
-def load_pair(checkpoint, tokenizer_path, device="cpu"):
-    """The model and the tokenizer it was trained with (checkpoint.tokenizer_for says how that is known)."""
-    model = load(checkpoint, device)
-    return model, tokenizer_for(model, checkpoint, tokenizer_path)
-
-
 def timed(generate, prompt, n_tokens, label):
     t0 = time.time()
-    tokens = generate(prompt, n_tokens, with_progress(greedy, n_tokens, f"{label} tokens"))[0].tolist()
+    tokens = generate(prompt, n_tokens)[0].tolist()
     seconds = time.time() - t0
     print(f"{label + ':':<10}{n_tokens} tokens in {seconds:5.1f}s ({n_tokens / seconds:,.0f} tok/s)")
     return tokens
@@ -146,16 +163,15 @@ def prove(model, prompt, n_tokens):
 
 
 def drift(model, prompt, name, n_tokens=100):
-    """After how many greedy tokens the broken variant parts from the correct one (None: never); the model is left broken."""
-    correct = model.generate_cached(prompt, n_tokens)[:, prompt.shape[1]:]
-    for block in model.blocks:  # every layer's attention swapped for the broken variant, on the same weights
-        block.attn.__class__ = GOTCHAS[name]
-    broken = model.generate_cached(prompt, n_tokens)[:, prompt.shape[1]:]
-    return first_difference(correct[0].tolist(), broken[0].tolist())
+    """After how many greedy tokens the broken variant, on the same weights, parts from the correct one (None: never)."""
+    broken = CachedGPT(model.cfg, GOTCHAS[name]).to(model.emb.weight.device).eval()
+    broken.load_state_dict(model.state_dict())
+    correct, wrong = (m.generate_cached(prompt, n_tokens)[0, prompt.shape[1]:].tolist() for m in (model, broken))
+    return first_difference(correct, wrong)
 
 
 def main():
-    ap = Parser(description="KV cache: cached equals uncached inside the window.")
+    ap = argparse.ArgumentParser(description="KV cache: cached equals uncached inside the window.")
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--prompt", default="The night was")
@@ -163,19 +179,22 @@ def main():
     ap.add_argument("--break", dest="broken", choices=sorted(GOTCHAS), help="reproduce a gotcha on purpose")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    check_count("--tokens", args.tokens)
-    model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
-    prompt = prompt_ids(tokenizer, args.prompt, model)
-    check_kept_tokens(1, prompt.shape[1] + args.tokens, args.device)
-    print(f"{args.checkpoint}, prompt {args.prompt!r} ({prompt.shape[1]} tokens), greedy, {args.device}")
-    if args.broken is None:
-        prove(model, prompt, args.tokens)
-        return
-    diff = drift(model, prompt, args.broken)
+    if not 0 <= args.tokens <= 100_000:
+        ap.error(f"--tokens must be in 0..100000, got {args.tokens}")
+    try:
+        model = load(args.checkpoint, args.device)
+        prompt = encode(load_tokenizer(args.tokenizer, model), args.prompt, model)
+        print(f"{args.checkpoint}, prompt {args.prompt!r} ({prompt.shape[1]} tokens), greedy, {args.device}")
+        if args.broken is None:
+            prove(model, prompt, args.tokens)
+            return
+        diff = drift(model, prompt, args.broken)
+    except ValueError as e:
+        sys.exit(f"cached.py: error: {e}")
     what = {"rope": "RoPE starts every new token at position 0", "mask": "is_causal=True with one query"}
     verdict = "never drifts" if diff is None else f"drifts from the correct cached output after {diff} tokens"
     print(f"--break {args.broken} ({what[args.broken]}): of 100 greedy tokens, {verdict}")
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    main()

@@ -8,6 +8,7 @@ cached step. Nothing here is about speed: engines/ applies that from outside.
 
     python model.py     # the parameter budget; the untrained loss is close to ln(vocab_size)
 """
+import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sampling
-from errors import BadValue
 
 
 @dataclass
@@ -86,13 +86,11 @@ class RoPEAttention(nn.Module):
 
 
 class Block(nn.Module):
-    attention = RoPEAttention
-
     def __init__(self, cfg):
         super().__init__()
         d = cfg.d_model
         self.norm1 = nn.LayerNorm(d)
-        self.attn = self.attention(cfg)
+        self.attn = RoPEAttention(cfg)
         self.norm2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(cfg.dropout))
 
@@ -114,19 +112,17 @@ def in_training(model):
 def check_finite(logits, n):
     """Stop at the step whose scores are NaN or infinite: no token can be chosen honestly from them."""
     if not torch.isfinite(logits.abs().amax()):  # one reduction: NaN and infinity both survive abs().amax()
-        raise BadValue(f"the model's scores for new token {n} are NaN or infinite (its weights overflow); "
+        raise ValueError(f"the model's scores for new token {n} are NaN or infinite (its weights overflow); "
                          "no token can be chosen from them")
     return logits
 
 
 class GPT(nn.Module):
-    block = Block
-
     def __init__(self, cfg=None):
         super().__init__()
         self.cfg = cfg = cfg or Config()
         self.emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(self.block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.emb.weight
@@ -172,8 +168,7 @@ class GPT(nn.Module):
 
 
 def main():
-    import cli  # the command line's edge, for the self-check only: the model itself needs nothing of it
-    cli.Parser(description="Print the Part 3 GPT's parameter budget and check that its untrained loss is close to "
+    argparse.ArgumentParser(description="Print the Part 3 GPT's parameter budget and check that its untrained loss is close to "
                        "ln(vocab_size). Takes no arguments.").parse_args()
     torch.manual_seed(1337)
     model = GPT()
@@ -197,5 +192,4 @@ def main():
 
 
 if __name__ == "__main__":
-    from cli import run_cli
-    run_cli(main)
+    main()

@@ -4,18 +4,12 @@ The eight settings run as eight rows of one prefill (prefill_clone's Engine),
 each row with its own generator seeded the same, so every row is what that
 setting gives alone, and every run on the CPU prints the same text.
 
-    python sample_grid.py [CHECKPOINT] [PROMPT] --tokens 60 --seed 1 [--compile] [--dtype bfloat16]
-
---compile and --dtype run the eight rows on engines.fast_engine's FastEngine
-instead (only then is anything beyond the lesson loaded): the text is the
-same compiled, and may part from float32's in bfloat16 or int8. Compiling
-comes first, and its time is printed last.
+    python sample_grid.py [CHECKPOINT] [PROMPT] --tokens 60 --seed 1
 """
-from cli import Parser, add_speed_flags, check_count, run_cli, with_progress
-from errors import BadValue
+import argparse
+import sys
 
-from cached import load_pair
-from checks import prompt_ids
+from cached import encode, load, load_tokenizer
 from prefill_clone import Engine
 
 SETTINGS = {
@@ -30,44 +24,36 @@ SETTINGS = {
 }
 
 
-def grid(engine, tokens, n_tokens, seed, progress=None):
+def grid(engine, tokens, n_tokens, seed):
     """Each setting's new tokens, all eight rows from one run of the prompt through `engine`."""
-    if progress:  # a token a step for every row: count the Engine's picks
-        engine.pick = with_progress(engine.pick, n_tokens, progress)
     rows, _ = engine.generate_batch(tokens, len(SETTINGS), max_tokens=n_tokens, seed=[seed] * len(SETTINGS),
                                     settings=list(SETTINGS.values()))
     return dict(zip(SETTINGS, rows))
 
 
 def main():
-    ap = Parser(description="Eight sampling settings on one checkpoint.")
+    ap = argparse.ArgumentParser(description="Eight sampling settings on one checkpoint.")
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("prompt", nargs="?", default="Holmes")
     ap.add_argument("--tokens", type=int, default=60)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--device", default="cpu")
-    add_speed_flags(ap)
     args = ap.parse_args()
-    check_count("--tokens", args.tokens)
-    if not 0 <= args.seed < 2**64:
-        raise BadValue(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
-    fast = args.compile or args.dtype != "float32"
-    if fast:  # the speed the flags ask for, from beside the lesson
-        from engines.fast_engine import FastEngine, speed_flags
-        speed = speed_flags(args)  # checked before the checkpoint is read
-    model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
-    tokens = prompt_ids(tokenizer, args.prompt, model)[0].tolist()
-    engine = FastEngine(model, **speed) if fast else Engine(model)
-    compile_seconds = engine.prepare(len(SETTINGS), list(SETTINGS.values())) if fast else 0.0  # before the ETA
-    rows = grid(engine, tokens, args.tokens, args.seed, "tokens")
+    if not 0 <= args.tokens <= 100_000 or not 0 <= args.seed < 2**63:
+        ap.error("--tokens must be in 0..100000 and --seed in 0..2**63 - 1")
+    try:
+        model = load(args.checkpoint, args.device)
+        tokenizer = load_tokenizer(args.tokenizer, model)
+        tokens = encode(tokenizer, args.prompt, model)[0].tolist()[-model.cfg.context:]
+        rows = grid(Engine(model, tokenizer), tokens, args.tokens, args.seed)
+    except ValueError as e:
+        sys.exit(f"sample_grid.py: error: {e}")
     for name, row in rows.items():
         print(f"=== {name}")
         print(tokenizer.decode(tokens + row).strip())
         print()
-    if args.compile:
-        print(f"the compiled decode step ready in {compile_seconds:.1f} s")
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    main()

@@ -2,12 +2,12 @@
 
 pick(logits, ...) turns last-position scores (B, vocab) into one token per row
 (B,): the penalty on every token in `history` (prompt included), temperature (0
-is argmax), top-k, top-p, then a draw with `generator`. The knobs are checked at
-the edge (checks.check_knobs). `python sampling.py` runs the self-check.
+is argmax), top-k, top-p, then a draw with `generator`. Each script checks its knobs
+at its command line. `python sampling.py` runs the self-check.
 """
-import torch
+import argparse
 
-from errors import BadValue
+import torch
 
 
 def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None, generator=None):
@@ -19,7 +19,7 @@ def pick(logits, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, history=None,
         # Divide positive scores, multiply negative ones: both push the token down.
         logits.scatter_(-1, history, torch.where(seen > 0, seen / penalty, seen * penalty))
         if not torch.isfinite(logits).all():  # no draw is honest from a score pushed past the dtype's range
-            raise BadValue(f"penalty {penalty} pushes a score past {logits.dtype}'s range; "
+            raise ValueError(f"penalty {penalty} pushes a score past {logits.dtype}'s range; "
                            "use a penalty nearer 1 (docs/refuses.md states the limit)")
     if temperature == 0:
         return logits.argmax(-1)
@@ -65,8 +65,7 @@ def self_check():
 
 
 def main():
-    import cli  # the command line's edge, for the self-check only: pick itself needs nothing of it
-    cli.Parser(description="Self-check of pick(): the reference cases and the draw frequencies.").parse_args()
+    argparse.ArgumentParser(description="Self-check of pick(): the reference cases and the draw frequencies.").parse_args()
     try:
         freq = self_check()
     except AssertionError as e:
@@ -78,5 +77,4 @@ def main():
 
 
 if __name__ == "__main__":
-    from cli import run_cli
-    run_cli(main)
+    main()

@@ -9,7 +9,7 @@ from helpers import ROOT, SHIPPED, TINY, in_process, sha256
 
 @pytest.fixture
 def shipped_unchanged():
-    """Fails the test if it changed any shipped file (holmes.pt, holmes.csv, tokenizer.json) by a byte."""
+    """Fails the test if it changed any shipped file (holmes.pt, series/holmes.csv, tokenizer.json) by a byte."""
     before = {name: sha256(os.path.join(ROOT, name)) for name in SHIPPED}
     yield
     assert {name: sha256(os.path.join(ROOT, name)) for name in SHIPPED} == before

@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 
-import train as train_module
-from cli import run_cli
+from series import train as train_module
+from engines.edge.cli import run_cli
 from model import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = ("holmes.pt", "holmes.csv", "tokenizer.json")
+SHIPPED = ("holmes.pt", "series/holmes.csv", "tokenizer.json")
 
 TEXT = (
     "It is a capital mistake to theorize before one has data. Insensibly one begins "
@@ -211,38 +211,6 @@ ODD_TEXTS = [
     "I'll, you've, she's, they're, we'd, I'm, can't, DON'T, o'clock",
     "Numbers 1895, 3.14159, 221B Baker Street; $5 & 10% off!?",
 ]
-
-
-class TrimFirst:
-    """The ring's semantics past the window, written plainly: concatenate, keep the last `context`, attend to those."""
-
-    def __init__(self, context):
-        self.context, self.k, self.v = context, None, None
-
-    def update(self, k, v, start):
-        if self.k is not None:
-            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
-        self.k, self.v = k[:, :, -self.context:], v[:, :, -self.context:]
-        return self.k, self.v
-
-
-def ring_gives_a_trim_first_caches_logits_for_600_steps(ring, as_rows=None):
-    """Steps past the window through `ring` (a KVCache class) give TrimFirst's logits; as_rows: the model as
-    engines/ runs a ring whose rows are at a (B,) tensor of positions."""
-    model = small()
-    feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
-    ring = ring.for_model(model, 2, SMALL.context)
-    ring_model = model if as_rows is None else as_rows(model)
-    with torch.inference_mode():
-        logits_ring = ring_model.step(feed[:, :10], ring, 0)
-    caches = [TrimFirst(SMALL.context) for _ in model.blocks]
-    with torch.inference_mode():
-        logits_rolling = model.step(feed[:, :10], caches, 0)
-        for t in range(10, 600):
-            torch.testing.assert_close(logits_ring, logits_rolling, atol=1e-4, rtol=1e-4)
-            logits_ring = ring_model.step(feed[:, t:t + 1], ring, t if as_rows is None else ring.cache_seqlens.long())
-            logits_rolling = model.step(feed[:, t:t + 1], caches, t)
-    assert ring.k.shape[2] == SMALL.context and ring.get_pos() == 600
 
 
 def read_by(keys):

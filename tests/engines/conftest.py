@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines import compile_ways
+from engines.fast import compile_ways
 from support import compile_ahead, compiled_engines, compiled_model, plain_ways
 
 

@@ -1,4 +1,4 @@
-"""The server tests' helpers: engines/server.py's app on uvicorn in a thread, the real engine behind a gate,
+"""The server tests' helpers: engines/serving/server.py's app on uvicorn in a thread, the real engine behind a gate,
 and a hang guard. No assert waits on the machine's speed: HANG_GUARD only ends a hang."""
 import http.client
 import json
@@ -9,9 +9,9 @@ import time
 import openai
 import uvicorn
 
-from engines.http_policy import allowed_hosts
-from engines.server import create_app
-from engines.serving import ServingEngine
+from engines.serving.http_policy import allowed_hosts
+from engines.serving.server import create_app
+from engines.serving.engine import ServingEngine
 
 HANG_GUARD = 120  # seconds: only a hang ever waits this long
 

@@ -7,16 +7,21 @@ import os
 import pytest
 import torch
 
-from engines import compile_ways, decode_step, fast_engine, serving
+from engines.fast import compile_ways
+from engines.fast import decode_step
+from engines.fast import engine as fast_engine
+from engines.serving import engine as serving
+from engines.fast.rope import with_row_attention
+from helpers import SMALL, small
 from model import Config
 
 
 def needs(module):
-    """The serving package `module` (requirements-serve.txt), imported; outside CI a test that needs one that
+    """The serving package `module` (engines/requirements.txt), imported; outside CI a test that needs one that
     is not installed skips, naming the file; in CI (CI=true) it fails."""
     if os.environ.get("CI") == "true":
         return importlib.import_module(module)
-    return pytest.importorskip(module, reason=f"{module} is not installed: pip install -r requirements-serve.txt")
+    return pytest.importorskip(module, reason=f"{module} is not installed: pip install -r engines/requirements.txt")
 
 
 AS_SET = compile_ways.COMPILE_WAYS  # read on import, before one_plain_compile_way
@@ -87,3 +92,34 @@ def compile_one_way(model, folder, rows, way):
         cache = decode_step.GraphCache.for_model(model, rows, COMPILED.context)
         decode_step.DecodeStep(model, cache, compile=True, ways={way: AS_SET["cpu"][way]}, compile_cache=folder,
                                pick=())
+
+
+class TrimFirst:
+    """The ring's semantics past the window, written plainly: concatenate, keep the last `context`, attend to those."""
+
+    def __init__(self, context):
+        self.context, self.k, self.v = context, None, None
+
+    def update(self, k, v, start):
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k[:, :, -self.context:], v[:, :, -self.context:]
+        return self.k, self.v
+
+
+def ring_gives_a_trim_first_caches_logits_for_600_steps(ring, at_row_positions=False):
+    """Steps past the window through `ring` (a KVCache class) give TrimFirst's logits; at_row_positions: each
+    step at a (B,) tensor of positions, as a graph-safe step runs it."""
+    model = with_row_attention(small())
+    feed = torch.randint(512, (2, 600), generator=torch.Generator().manual_seed(3))
+    ring = ring.for_model(model, 2, SMALL.context)
+    with torch.inference_mode():
+        logits_ring = model.step(feed[:, :10], ring, 0)
+    caches = [TrimFirst(SMALL.context) for _ in model.blocks]
+    with torch.inference_mode():
+        logits_rolling = model.step(feed[:, :10], caches, 0)
+        for t in range(10, 600):
+            torch.testing.assert_close(logits_ring, logits_rolling, atol=1e-4, rtol=1e-4)
+            logits_ring = model.step(feed[:, t:t + 1], ring, ring.cache_seqlens.long() if at_row_positions else t)
+            logits_rolling = model.step(feed[:, t:t + 1], caches, t)
+    assert ring.k.shape[2] == SMALL.context and ring.get_pos() == 600

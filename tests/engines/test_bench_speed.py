@@ -1,5 +1,6 @@
-"""engines/bench_speed.py and engines/bench_peers.py, through bench.py: every speed figure measured and present,
+"""engines/bench/speed.py and engines/bench/peers.py, through python -m engines.bench: every speed figure measured and present,
 each table's columns and the lines under its rows."""
+import copy
 import json
 import math
 import re
@@ -7,12 +8,13 @@ import re
 import pytest
 import torch
 
-import bench
-from cached import load
+from engines.bench import __main__ as bench
+from engines.edge.checkpoint import load_cached as load
 from helpers import positive_numbers, read_by, run_main
 from support import COMPILED_ROWS
-from engines import bench_peers, bench_speed
-from engines.compile_ways import compiler_missing
+from engines.bench import peers as bench_peers
+from engines.bench import speed as bench_speed
+from engines.fast.compile_ways import compiler_missing
 
 
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
@@ -25,7 +27,7 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     # and 6) and three more rounds of every engine
     monkeypatch.setattr(bench, "QUICK", bench.QUICK | {"batches": (COMPILED_ROWS,)})
     try:
-        status, stdout, err = run_main(bench.main, ["bench.py", "cpu", "2", "--quick", "--all", "--whole", "--tokens",
+        status, stdout, err = run_main(bench.main, ["bench", "cpu", "2", "--quick", "--tables", "3,4,5,6", "--tokens",
                                                     "8", "--json", out], monkeypatch, capsys)
     finally:
         torch.set_num_threads(threads)
@@ -33,14 +35,6 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     report = json.loads(out.read_text())
     assert report["machine"]["device"] == "cpu" and report["machine"]["threads"] == 2
     assert report["machine"]["torch"] == torch.__version__ and report["machine"]["read_bytes_per_s"] > 0
-    post = report["post"]
-    assert post["step_counts"] == [8, 15] and [(r["batch"], r["tokens"]) for r in post["rows"]] == [(COMPILED_ROWS, 8)]
-    loops = ("no_cache", "cache", "whole_no_cache", "whole_cache")
-    assert all(set(r) == {"batch", "tokens", *loops, *(m + "_spread" for m in loops), *read_by(loops[:2])}
-               for r in post["rows"])
-    cfg = compiled.model.cfg  # a full window: 2 (k, v) x layers x tokens x d_model x 4 bytes
-    full = 2 * cfg.n_layers * cfg.context * cfg.d_model * 4
-    assert post["cache"] == {"tokens": cfg.context, "measured_bytes": full, "formula_bytes": full}
     engines = ("engine", "engine_compiled", "engine_bf16", "engine_int8", "engine_int8_compiled")
     methods = ("no_cache", "cached", *engines)
     parts = {f"{form}_{part}" for form in ("engine_compiled", "engine_int8_compiled")
@@ -48,11 +42,6 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     decode_keys = {"batch", "tokens", "compile_seconds", "int8_compile_seconds", *methods,
                    *(m + "_spread" for m in methods), *read_by(methods), *parts}
     assert len(report["decode"]) == 1 and all(set(r) == decode_keys for r in report["decode"])
-    assert [r["config"] for r in report["memory"]] == ["Part 3 (4 heads)", "GQA (4 q heads, 1 kv head)"]
-    # the post's figures: 2 x 6 x 256 x 256 x 4 bytes = 3.00 MiB; one kv head of four keeps a quarter
-    assert [r["measured_bytes"] for r in report["memory"]] == [3 * 2**20, 3 * 2**20 // 4]
-    clone_keys = {"prompt", "n", "tokens", "separate_ms", "clone_ms", "separate_s", "clone_s"}
-    assert len(report["prefill_clone"]) == 4 and all(set(r) == clone_keys for r in report["prefill_clone"])
     assert [r["batch"] for r in report["kernels"]] == [COMPILED_ROWS]
     for r in report["kernels"]:  # every exact candidate timed
         # --quick leaves out the step compiled each way (a compile a way and a batch)
@@ -74,7 +63,7 @@ def test_quick_json_has_every_figure_positive_and_cuda_marked_skipped(compiled, 
     drifts = report["peers_drift"]  # where each parts from the float32 Engine, the compiled forms left out
     assert set(drifts) == {"engine_bf16", "engine_int8", *installed}
     assert all(d is None or 0 <= d < 16 for d in drifts.values())
-    numbers = dict(positive_numbers({k: report[k] for k in ("post", "decode", "memory", "prefill_clone", "kernels",
+    numbers = dict(positive_numbers({k: report[k] for k in ("decode", "kernels",
                                                             "peers")}))
     # a token's time is the difference of two timings (n tokens less one), below 0 where noise outweighs 8 tokens
     differences = ("_spread", "_token_ms", "_outside")
@@ -99,9 +88,9 @@ def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypa
     bench_peers.table_peers(model, engines, torch.device("cpu"), {"lengths": (8,), "batches": (1,)}, 3, 1e10, [], out)
     lines = capsys.readouterr().out.splitlines()
     assert lines.pop() == "      (table 4 did not run batch 1, 8 tokens in this run: nothing to set beside)"
-    assert "   transformers: not installed (pip install -r requirements-serve.txt)" in lines
+    assert "   transformers: not installed (pip install -r engines/requirements.txt)" in lines
     assert any(line.startswith("   ctranslate2: ") for line in lines)
-    assert "   llama_cpp: not installed (pip install -r requirements-serve.txt)" in lines
+    assert "   llama_cpp: not installed (pip install -r engines/requirements.txt)" in lines
     header, row, shares = lines[-3].split(), lines[-2].split(), lines[-1]
     assert header == ["batch", "engine", "engine_compiled", "engine_bf16", "transformers", "ctranslate2",
                       "ctranslate2_int8", "llama_cpp", "llama_cpp_q8_0", "compiled/llama_cpp", "int8", "compiled/q8_0"]
@@ -114,7 +103,7 @@ def test_the_peers_table_names_each_missing_engine_and_keeps_its_column(monkeypa
 
 def test_every_decode_table_row_has_its_bytes_and_bandwidth_share(capsys):
     from cached import CachedGPT
-    from engines.fast_engine import FastEngine
+    from engines.fast.engine import FastEngine
     from model import Config
     model = CachedGPT(Config(vocab_size=256, d_model=64, n_heads=4, n_layers=2, context=32)).eval()
     # the compiled column's place taken by the same graph-safe step run eagerly: no compile in a test
@@ -146,3 +135,41 @@ def test_drift_from_float32_on_the_trained_weights_is_reported_and_bounded(dtype
     drift = bench_speed.dtype_drift(model, dtype, bench_speed.drift_prompt(model), 64)
     assert 0 < drift["max_logit_difference"] < 1
     assert drift["first_difference"] is None or drift["first_difference"] >= 4
+
+
+def test_the_bytes_a_step_reads_are_every_weight_once_and_the_cache_it_attends_to():
+    from cached import CachedGPT
+    from model import Config
+    from engines.edge import figures
+    d, vocab, layers, kv_width = 64, 128, 2, 32  # two kv heads of four: grouped-query, a half-width cache
+    model = CachedGPT(Config(vocab_size=vocab, d_model=d, n_heads=4, n_kv_heads=2, n_layers=layers, context=32)).eval()
+    # the embedding, tied to the head; per block two norms (weight and bias), qkv and out (no bias), the MLP's two
+    # layers (with bias); the final norm
+    params = vocab * d + layers * (2 * d + d * (d + 2 * kv_width) + d * d + 2 * d + (d * 4 * d + 4 * d)
+                                   + (4 * d * d + d)) + 2 * d
+    # 40 tokens from an 8-token prompt in a 32-token window: the steps attend to 8, 9, ..., 31 positions (the
+    # prefill, then one more each step), then to the full window for the last 16
+    positions = list(range(8, 32)) + [32] * 16
+    per_position = 2 * layers * kv_width  # keys and values of every layer, one row, one position, in values
+    mean = sum(positions) / len(positions)
+    assert figures.bytes_per_step(model, 3, 40) == pytest.approx(params * 4 + 3 * per_position * 4 * mean)
+    # uncached, a step recomputes its keys: the weights alone, whatever the batch
+    assert figures.bytes_per_step(model, 3, 40, cached=False) == params * 4
+    # a cache kept in another dtype than the weights (llama.cpp's f16)
+    assert figures.bytes_per_step(model, 3, 40, cache_dtype=torch.float16) == pytest.approx(
+        params * 4 + 3 * per_position * 2 * mean)
+    # in bfloat16, weights and cache both two bytes a value
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    assert figures.bytes_per_step(half, 3, 40) == pytest.approx(params * 2 + 3 * per_position * 2 * mean)
+    # untied, the head reads its own table whole and the lookup reads one row of the embedding per row
+    model.head.weight = torch.nn.Parameter(model.emb.weight.detach().clone())
+    assert figures.bytes_per_step(model, 3, 40) == pytest.approx((params + 3 * d) * 4 + 3 * per_position * 4 * mean)
+
+
+def test_the_bandwidth_measure_is_a_positive_finite_rate():
+    assert 0 < figures.read_bandwidth(torch.device("cpu")) < math.inf
+
+
+def test_the_bandwidth_measure_is_a_positive_finite_rate():
+    from engines.edge import figures
+    assert 0 < figures.read_bandwidth(torch.device("cpu")) < math.inf

@@ -1,4 +1,4 @@
-"""The chat page (engines/chat.html at GET /) in a real headless browser: a typed message is sent, the reply
+"""The chat page (engines/serving/chat.html at GET /) in a real headless browser: a typed message is sent, the reply
 streams in, and the next turn re-sends the conversation, which the prefix cache serves.
 
     python -m pytest -q tests/engines/test_chat_page.py      # needs Debian's chromium and chromium-driver:
@@ -24,8 +24,8 @@ from support import needs
 uvicorn = needs("uvicorn")
 needs("starlette")
 
-from cached import load_pair  # noqa: E402
-from engines.serving import ServingEngine  # noqa: E402
+from engines.edge.checkpoint import load_pair  # noqa: E402
+from engines.serving.engine import ServingEngine  # noqa: E402
 from servers import HANG_GUARD, Running, wait_for  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"

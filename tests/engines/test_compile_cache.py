@@ -12,18 +12,22 @@ import types
 import pytest
 import torch
 
-from engines import compile_cache, compile_ways, decode_step, runner
+from engines.fast import compile_cache
+from engines.fast import compile_ways
+from engines.fast import decode_step
+from engines.serving import runner
 from cached import GOTCHAS, CachedGPT
-from cli import run_cli
-from engines.decode_step import DecodeStep, GraphCache
-from engines.fast_engine import FastEngine
-from engines.serving import ServingEngine
-from engines.compile_ways import compiler_missing
+from engines.edge.cli import run_cli
+from engines.fast.decode_step import DecodeStep, GraphCache
+from engines.fast.engine import FastEngine
+from engines.serving.engine import ServingEngine
+from engines.fast.compile_ways import compiler_missing
 from helpers import run_main
 from support import AS_SET, COMPILED, COMPILED_ROWS, TIMED_WAYS, compiled_model
-from errors import CompileFailed
+from engines.edge.errors import CompileFailed
 from model import Config
-from prefill_clone import Engine, KVCache
+from prefill_clone import Engine
+from engines.fast.kv_cache import KVCache
 
 pytestmark = pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 
@@ -263,7 +267,7 @@ def test_a_compile_cache_that_cannot_be_a_folder_is_refused_before_any_read(
     taken = tmp_path / "a file"
     taken.write_text("mine")
     monkeypatch.setattr(sys, "argv", ["fast_engine.py", "no-such.pt", "--compile", "--compile-cache", str(taken)])
-    from engines import fast_engine
+    from engines.fast import engine as fast_engine
     with pytest.raises(SystemExit) as exit:
         run_cli(fast_engine.main)
     assert exit.value.code == (f"fast_engine.py: error: cannot make the compile cache folder {taken} (File exists); "
@@ -322,16 +326,16 @@ def test_kept_times_out_of_line_with_the_next_sizes_are_timed_again_and_replaced
     assert runner.out_of_line({1: 0.67, 2: 0.9, 4: 1.22, 8: 3.0, 16: 4.38}) == []
     monkeypatch.setattr(compile_ways, "COMPILE_WAYS", TIMED_WAYS)
     model, folder, _ = kept_every_way
-    step = runner.StepRunner(model, B, [B], compile=True, compile_cache=folder).step(B, ())  # FastEngine's, greedy
+    step = runner.ModelRunner(model, B, [B], compile=True, compile_cache=folder).step(B, ())  # FastEngine's, greedy
     ways = compile_ways.compile_ways(torch.device("cpu"), B)
     choice = compile_cache.choice_path(str(folder), [step_key(step.model, step.cache, o) for o in ways.values()])
     busy = {name: 500.0 for name in ways}  # every way's time, as a busy machine took them
     compile_cache.keep_choice(choice, busy, replace=True)
-    assert runner.StepRunner(model, B, [B], compile=True, compile_cache=folder).step(B, ()).way_ms == busy  # read
+    assert runner.ModelRunner(model, B, [B], compile=True, compile_cache=folder).step(B, ()).way_ms == busy  # read
     monkeypatch.setattr(runner, "out_of_line", lambda times: list(times))  # as if B's were out of line
     timed = {name: float(i + 1) for i, name in enumerate(ways)}  # what timing them again measured (no clock read)
     monkeypatch.setattr(DecodeStep, "_time_ways", lambda self, runs: dict(timed) if set(runs) == set(ways) else None)
-    retimed = runner.StepRunner(model, B, [B], compile=True, compile_cache=folder).made(()).kept[B, ()]
+    retimed = runner.ModelRunner(model, B, [B], compile=True, compile_cache=folder).made(()).kept[B, ()]
     assert retimed.way_ms == timed and retimed.way == min(timed, key=timed.get)
     assert compile_cache.read_choice(choice, ways) == (timed, None)
 
@@ -429,7 +433,7 @@ def test_a_compile_that_fails_inside_inductor_ends_in_one_line_naming_the_way(tm
     assert str(refused.value) == (f"the compiled decode step for {B} rows, compiled 'plain', failed inside inductor "
                                   "(CppCompileError: C++ compile error); run without compiling, or see that the C++ "
                                   "compiler works")
-    from engines import fast_engine
+    from engines.fast import engine as fast_engine
     capsys.readouterr()
     status, out, err = run_main(fast_engine.main, ["fast_engine.py", "--compile", "--compile-cache", str(tmp_path),
                                                    "-n", "1"], monkeypatch, capsys)
@@ -457,5 +461,5 @@ def test_loading_kept_steps_leaves_the_cache_out_of_autograd(every_way_compiled)
     model = compiled_model()
     assert all(p.requires_grad for p in model.parameters())
     engine = ServingEngine(model, None, max_rows=COMPILED_ROWS, compile=True, compile_cache=every_way_compiled.folder)
-    assert all(step.loaded for step in engine.runner.steps.kept.values()) and len(engine.runner.steps.kept) > 1
-    assert not engine.runner.rows.heads_k.requires_grad and not engine.runner.rows.heads_v.requires_grad
+    assert all(step.loaded for step in engine.runner.kept.values()) and len(engine.runner.kept) > 1
+    assert not engine.runner.cache.heads_k.requires_grad and not engine.runner.cache.heads_v.requires_grad

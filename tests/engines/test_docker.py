@@ -1,4 +1,4 @@
-"""The Docker path serves: the image's serve stage installs requirements-serve.txt, .dockerignore lets in every
+"""The Docker path serves: the image's serve stage installs engines/requirements.txt, .dockerignore lets in every
 file serving and the GPU check need, and the README gives the `docker run --gpus all` lines (no Docker needed)."""
 import fnmatch
 import os
@@ -39,8 +39,8 @@ def test_the_serve_stage_installs_requirements_serve_and_runs_the_gpu_check():
     found = stages(read("Dockerfile"))
     assert list(found) == ["base", "serve", "lesson"]  # the lesson last: a plain `docker build` makes it
     serve = "\n".join(found["serve"])
-    assert "FROM base AS serve" in serve and "-r requirements-serve.txt" in serve and "COPY . ." in serve
-    assert 'CMD ["bash", "engines/gpu_check.sh"]' in serve and "EXPOSE 8000" in serve
+    assert "FROM base AS serve" in serve and "-r engines/requirements.txt" in serve and "COPY . ." in serve
+    assert 'CMD ["bash", "engines/fast/gpu_check.sh"]' in serve and "EXPOSE 8000" in serve
     assert "-r requirements.txt" in "\n".join(found["base"])
 
 
@@ -48,7 +48,7 @@ def test_dockerignore_lets_in_every_tracked_file_but_the_repos_own_leftovers():
     rules = [line for line in read(".dockerignore").splitlines() if line and not line.startswith("#")]
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     needed = [p for p in tracked if p.endswith((".py", ".sh", ".html")) or p in ("holmes.pt", "tokenizer.json")]
-    assert "engines/serving.py" in needed and "engines/gpu_check.sh" in needed and "engines/chat.html" in needed
+    assert "engines/serving/engine.py" in needed and "engines/fast/gpu_check.sh" in needed and "engines/serving/chat.html" in needed
     assert [p for p in needed if not let_in(p, rules)] == []
     assert not let_in("corpus.txt", rules) and not let_in(".venv/bin/python", rules)
 
@@ -57,5 +57,5 @@ def test_readme_gives_the_docker_lines_and_serving_beyond_loopback_asks_for_a_ke
     readme = read("README.md")
     for line in ("docker build -t tiny-gpt .", "docker run --rm --gpus all tiny-gpt python prefill_clone.py --device cuda",
                  "docker build --target serve -t tiny-gpt-serve .", "docker run --rm --gpus all -p 8000:8000 tiny-gpt-serve",
-                 "python serve.py --host 0.0.0.0 --device cuda --dtype bfloat16 --api-key KEY"):
+                 "python -m engines.serve --host 0.0.0.0 --device cuda --dtype bfloat16 --api-key KEY"):
         assert line in readme, line

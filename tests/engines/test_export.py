@@ -16,16 +16,17 @@ import torch
 from helpers import ODD_TEXTS, PART3_CONFIG, one_line_exit, part3_state_dict, run_main
 from support import needs
 
-needs("transformers")  # requirements-serve.txt: the whole export
+needs("transformers")  # engines/requirements.txt: the whole export
 import safetensors.torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from engines import export
+from engines.export import export
 from bpe import BPE
-from cached import CachedGPT, load
-from engines.hf_folder import load_folder, rope_layout, write_folder
-from cli import run_cli
-from checkpoint import save_checkpoint
+from cached import CachedGPT
+from engines.edge.checkpoint import load_cached as load
+from engines.export.hf_folder import load_folder, rope_layout, write_folder
+from engines.edge.cli import run_cli
+from engines.edge.checkpoint import save_checkpoint
 from model import Config
 
 def small_bpe(vocab_size):
@@ -351,7 +352,7 @@ def test_an_interrupted_export_removes_its_temporary_folder_and_says_so_in_one_l
 def test_a_missing_engine_is_one_line_naming_the_requirements_file(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # what a reader without the engines has
     assert one_line_exit(export.main, monkeypatch, "export.py", "holmes.pt", "--ct2", tmp_path / "ct2") == \
-        "export.py: error: ctranslate2 is not installed; pip install -r requirements-serve.txt"
+        "export.py: error: ctranslate2 is not installed; pip install -r engines/requirements.txt"
     assert list(tmp_path.iterdir()) == []
 
 

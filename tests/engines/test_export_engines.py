@@ -1,6 +1,6 @@
 """The engines themselves run the export: llama.cpp (library and OpenAI-compatible server) and CTranslate2.
 
-Outside CI an engine that is not installed skips its tests, naming requirements-serve.txt;
+Outside CI an engine that is not installed skips its tests, naming engines/requirements.txt;
 in CI (CI=true) it fails them.
 """
 import json
@@ -17,12 +17,13 @@ from support import needs
 
 needs("transformers")  # the export every engine here reads
 
-from engines import export
-from engines import peers
+from engines.export import export
+from engines.export import peers
 from bpe import BPE
-from cli import run_cli
-from cached import first_difference, load
-from engines.export import PROMPT, cached_tokens, neox_state_dict, spelled_vocabulary
+from engines.edge.cli import run_cli
+from cached import first_difference
+from engines.edge.checkpoint import load_cached as load
+from engines.export.export import PROMPT, cached_tokens, neox_state_dict, spelled_vocabulary
 
 
 @pytest.fixture(scope="module")

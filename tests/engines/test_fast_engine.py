@@ -1,4 +1,4 @@
-"""engines/fast_engine.py: FastEngine gives the lesson's tokens with every kernel, dtype and step form, and its
+"""engines/fast/engine.py: FastEngine gives the lesson's tokens with every kernel, dtype and step form, and its
 command refuses what it cannot honour in one line."""
 import threading
 
@@ -6,14 +6,16 @@ import pytest
 import torch
 
 from bpe import BPE
-from cached import CachedGPT, load
-from helpers import (PROMPT, SMALL, assert_refused, keys_attended, prompts, ring_gives_a_trim_first_caches_logits_for_600_steps,
+from cached import CachedGPT
+from engines.edge.checkpoint import load_cached as load
+from support import ring_gives_a_trim_first_caches_logits_for_600_steps
+from helpers import (PROMPT, SMALL, assert_refused, keys_attended, prompts,
                      run_main, small)
-from engines import fast_engine
-from engines.decode_step import GraphCache
-from engines.fast_engine import FastEngine
-from engines.matmul import KERNELS
-from engines.rope import with_row_attention
+from engines.fast import engine as fast_engine
+from engines.fast.decode_step import GraphCache
+from engines.fast.engine import FastEngine
+from engines.fast.matmul import KERNELS
+from engines.fast.rope import with_row_attention
 from model import Config
 from prefill_clone import Engine
 from sample_grid import SETTINGS, grid
@@ -68,7 +70,7 @@ def test_cli_prints_the_samples_and_one_line_of_timing(dtype, monkeypatch, capsy
 
 
 def test_the_graph_safe_ring_past_the_window_gives_trim_first_logits():
-    ring_gives_a_trim_first_caches_logits_for_600_steps(GraphCache, with_row_attention)
+    ring_gives_a_trim_first_caches_logits_for_600_steps(GraphCache, at_row_positions=True)
 
 
 def test_a_graph_safe_step_past_the_window_attends_exactly_context_keys(monkeypatch):

@@ -1,4 +1,4 @@
-"""engines/graph_pick.py: the pick inside the compiled step picks what sampling.pick picks, row by row, and
+"""engines/fast/graph_pick.py: the pick inside the compiled step picks what sampling.pick picks, row by row, and
 FastEngine's compiled loop gives the lesson Engine's tokens for rows at settings of their own, greedy and sampled."""
 import pytest
 import torch
@@ -6,10 +6,10 @@ import torch
 import sampling
 from helpers import PROMPT
 from support import COMPILED_ROWS
-from engines.compile_ways import compiler_missing
-from engines import fast_engine
-from engines.fast_engine import FastEngine
-from engines.graph_pick import GraphPick, Knobs, STAGES, stages_for
+from engines.fast.compile_ways import compiler_missing
+from engines.fast import engine as fast_engine
+from engines.fast.engine import FastEngine
+from engines.fast.graph_pick import GraphPick, Knobs, STAGES, stages_for
 from prefill_clone import Engine
 
 VOCAB = 300

@@ -1,4 +1,4 @@
-"""Who may use serve.py's server (engines/http_policy.py) and what a chat message may say (engines/openai_request.py's
+"""Who may use serve.py's server (engines/serving/http_policy.py) and what a chat message may say (engines/serving/openai_request.py's
 template): another site's page, a DNS-rebinding name, a body sent as text/plain, a body past the limit, a
 request without the key, and a message forging another role's line are each refused before anything is
 generated; the page's answers carry the headers that keep it from being framed or sniffed.
@@ -17,9 +17,9 @@ openai = needs("openai")
 needs("uvicorn")
 needs("starlette")
 
-from cached import load_pair  # noqa: E402
-from engines.http_policy import MAX_BODY_BYTES, allowed_hosts  # noqa: E402
-from engines.openai_request import ROLE_LINES, ROLES, Refused, chat_prompt  # noqa: E402
+from engines.edge.checkpoint import load_pair  # noqa: E402
+from engines.serving.http_policy import MAX_BODY_BYTES, allowed_hosts  # noqa: E402
+from engines.serving.openai_request import ROLE_LINES, ROLES, Refused, chat_prompt  # noqa: E402
 from servers import Running, Watched  # noqa: E402
 
 KEY = "sk-test-key"
@@ -164,5 +164,5 @@ def test_the_allowed_hosts_are_localhosts_names_the_address_served_and_those_nam
     (["--api-key", ""], "--api-key must not be empty"),
 ])
 def test_serve_refuses_to_listen_beyond_loopback_open_to_any_host_in_one_line(flags, message, monkeypatch, capsys):
-    import serve
+    from engines import serve
     assert_refused(run_main(serve.main, ["serve.py", "--port", "0", "--eager", *flags], monkeypatch, capsys), message)

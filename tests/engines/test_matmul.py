@@ -1,20 +1,22 @@
-"""engines/matmul.py and engines/int8.py: every candidate computes nn.Linear's product; only an exact one can be chosen, once per batch."""
+"""engines/fast/matmul.py and engines/fast/int8.py: every candidate computes nn.Linear's product; only an exact one can be chosen, once per batch."""
 import zipfile
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engines import compile_ways, int8, matmul
+from engines.fast import compile_ways
+from engines.fast import int8
+from engines.fast import matmul
 import model as model_py
 import sample_grid
 from cached import CachedGPT
 from helpers import SMALL, assert_refused, run_main
 from support import COMPILED_ROWS
 from prefill_clone import Engine
-from engines.int8 import INT8_KERNELS, Int8Linear
-from engines.matmul import KERNELS, KernelLinear, choose, time_kernels, with_kernel
-from engines.fast_engine import FastEngine
+from engines.fast.int8 import INT8_KERNELS, Int8Linear
+from engines.fast.matmul import KERNELS, KernelLinear, choose, time_kernels, with_kernel
+from engines.fast.engine import FastEngine
 
 
 def float64_product(layer, x):
@@ -102,7 +104,7 @@ def test_cli_prints_each_kernel_and_the_fastest_and_refuses_a_bad_batch_in_one_l
 
 
 def test_a_batch_too_large_for_memory_is_refused_before_any_row_is_allocated(monkeypatch, capsys):
-    monkeypatch.setattr("cli.free_memory", lambda device: 2**30)
+    monkeypatch.setattr("engines.edge.cli.free_memory", lambda device: 2**30)
     monkeypatch.setattr(matmul, "time_kernels", lambda *args: pytest.fail("measured before the size check"))
     run = run_main(matmul.main, ["matmul.py", "--batches", "2", "3000000"], monkeypatch, capsys)
     assert_refused(run, "matmul.py: error: --batches 3000000 (a step's inputs and outputs) needs ")

@@ -1,7 +1,7 @@
-"""engines/rope.py: the lesson's RoPE tables at a (B,) tensor of positions turn each row as rope_at does alone."""
+"""engines/fast/rope.py: the lesson's RoPE tables at a (B,) tensor of positions turn each row as rope_at does alone."""
 import torch
 
-from engines.rope import rope_rows
+from engines.fast.rope import rope_rows
 from model import rope_at
 
 

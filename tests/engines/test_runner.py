@@ -1,9 +1,9 @@
-"""engines/runner.py: the step for B rows runs over the smallest size that holds them, made once and kept, and
+"""engines/serving/runner.py: the step for B rows runs over the smallest size that holds them, made once and kept, and
 CUDA's way (torch.compile, every slot attended behind the mask) gives the lesson's tokens, checked on a CPU."""
 
 from helpers import PROMPT, small
-from engines.fast_engine import FastEngine
-from engines.runner import StepRunner, batch_sizes
+from engines.fast.engine import FastEngine
+from engines.serving.runner import ModelRunner, batch_sizes
 from prefill_clone import Engine
 
 
@@ -13,7 +13,7 @@ def test_sizes_are_nano_vllms_one_two_four_eight_then_steps_of_16_up_to_the_rows
 
 
 def test_a_step_for_b_rows_runs_over_the_smallest_size_holding_them_and_is_kept():
-    runner = StepRunner(small(), 16)
+    runner = ModelRunner(small(), 16)
     step = runner.step(3)
     assert step.cache.shape["batch"] == 4 and runner.step(4) is step and runner.step(5) is not step
     assert step.cache.heads_k.data_ptr() == runner.cache.heads_k.data_ptr()  # the runner's rows, not a copy
@@ -24,7 +24,7 @@ def test_cudas_way_torch_compile_over_every_slot_gives_the_lessons_tokens():
     (where only the graph capture is left out): FastEngine's greedy and drawn rows equal the lesson Engine's."""
     model = small()
     engine = FastEngine(model, compile=True)
-    engine.runners[2] = StepRunner(model, 2, [2], compile=True, jit=True)
+    engine.runners[2] = ModelRunner(model, 2, [2], compile=True, jit=True)
     for knobs in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 3}):
         want = Engine(model).generate_batch(PROMPT, 2, max_tokens=40, **knobs)[0]
         assert engine.generate_batch(PROMPT, 2, max_tokens=40, **knobs)[0] == want

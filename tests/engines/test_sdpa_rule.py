@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from bpe import BPE
 from helpers import PROMPT, SMALL, TOKENIZER, small
 from support import compiled_model
-from engines.decode_step import GraphCache
-from engines.fast_engine import FastEngine
-from engines.rope import RowAttention, with_row_attention
-from engines.row_cache import prompt_step
-from engines.serving import Request, ServingEngine
+from engines.fast.decode_step import GraphCache
+from engines.fast.engine import FastEngine
+from engines.fast.rope import RowAttention, with_row_attention
+from engines.serving.row_cache import prompt_step
+from engines.serving.engine import Request, ServingEngine
 from prefill_clone import Engine
 
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from engines import peers
+from engines.export import peers
 from children import refuse, segfault
 
 

@@ -6,7 +6,7 @@ JSON, a full server a 429, a hang-up cancelled in the engine, Ctrl-C and SIGTERM
     python -m pytest -q tests/engines/test_server.py
 
 The server runs on the shipped holmes.pt in a thread (uvicorn.Server on a free localhost port), or as
-`python serve.py --port 0` in a process of its own for the signals. No assert depends on the machine's
+`python -m engines.serve --port 0` in a process of its own for the signals. No assert depends on the machine's
 speed: where what is in flight matters (16 at once, a full server, a hang-up) the test holds the engine's
 steps at a gate instead of racing them, and every timeout is a hang guard only.
 """
@@ -31,8 +31,8 @@ openai = needs("openai")
 needs("uvicorn")
 needs("starlette")
 
-from cached import load_pair  # noqa: E402
-from engines.serving import StepClock  # noqa: E402
+from engines.edge.checkpoint import load_pair  # noqa: E402
+from engines.serving.engine import StepClock  # noqa: E402
 from servers import HANG_GUARD, Running, Watched, wait_for  # noqa: E402
 
 SYSTEM = ("You are Sherlock Holmes, the consulting detective of Baker Street. Answer as he would, "
@@ -325,7 +325,7 @@ def test_a_stop_takes_no_new_request_and_finishes_the_streams_in_flight_first(pa
 
 @pytest.fixture
 def serve_process():
-    """`python serve.py --port 0 --eager` started (compiling the shipped model's steps would take minutes; the
+    """`python -m engines.serve --port 0 --eager` started (compiling the shipped model's steps would take minutes; the
     compiled engine's tokens are test_serving_engine's), and (process, its base URL) once it says it is ready."""
     process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--rows", "2", "--eager"], cwd=ROOT,
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -377,7 +377,7 @@ def test_serve_py_on_a_second_ctrl_c_cuts_its_stream_and_exits_0(serve_process):
 
 
 def test_serve_refuses_a_port_in_use_or_out_of_range_in_one_line(monkeypatch, capsys):
-    import serve
+    from engines import serve
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
         assert_refused(run_main(serve.main, ["serve.py", "--port", port], monkeypatch, capsys),
@@ -394,5 +394,5 @@ def test_serve_refuses_a_port_in_use_or_out_of_range_in_one_line(monkeypatch, ca
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "torch sees no CUDA GPU here; use 'cpu'")]))
 def test_serve_refuses_a_size_it_cannot_run_in_one_line_before_it_loads_anything(flags, message, monkeypatch, capsys):
-    import serve
+    from engines import serve
     assert_refused(run_main(serve.main, ["serve.py", "--port", "0", "--eager", *flags], monkeypatch, capsys), message)

@@ -1,4 +1,4 @@
-"""engines/serving.py: continuous batching over a paged, prefix-cached KV cache gives every request the tokens
+"""engines/serving/engine.py: continuous batching over a paged, prefix-cached KV cache gives every request the tokens
 prefill_clone.Engine gives it alone, whatever else runs, whenever it arrives, whatever the cache held.
 
 The model is conftest's COMPILED one (weights x10, so sampled tokens are decisive) with the shipped
@@ -16,15 +16,16 @@ from bpe import BPE
 from cached import CachedAttention
 from helpers import TOKENIZER, assert_refused, run_main
 from support import COMPILED, COMPILED_ROWS, compiled_model
-from errors import BadValue
-from engines.blocks import PrefixCache, blocks_for_bytes, digests_of
-from engines.decode_step import GraphCache
-from engines.row_cache import prompt_step
-from engines.rope import RowAttention, with_row_attention
-from engines.sequence import Event, Request
-from engines.serving import ServingEngine
-from engines.serving_text import TextStream
-from prefill_clone import Engine, KVCache
+from engines.edge.errors import BadValue
+from engines.serving.blocks import PrefixCache, blocks_for_bytes, digests_of
+from engines.fast.decode_step import GraphCache
+from engines.serving.row_cache import prompt_step
+from engines.fast.rope import RowAttention, with_row_attention
+from engines.serving.sequence import Event, Request
+from engines.serving.engine import ServingEngine
+from engines.serving.text import TextStream
+from prefill_clone import Engine
+from engines.fast.kv_cache import KVCache
 
 MODEL, TOK = compiled_model(), BPE.load(TOKENIZER)
 CONTEXT, VOCAB = COMPILED.context, COMPILED.vocab_size
@@ -186,7 +187,7 @@ def test_on_the_compiled_decode_step_every_request_still_gets_the_engines_tokens
     compiled = every_way_compiled
     shape |= {"max_rows": COMPILED_ROWS, "prefill_chunk": max(4, shape["prefill_chunk"])}
     engine = ServingEngine(compiled.model, TOK, **shape, compile=True, compile_cache=compiled.folder)
-    assert all(step.loaded for step in engine.runner.steps.kept.values()) and engine.runner.steps.sizes == [1, 2, COMPILED_ROWS]
+    assert all(step.loaded for step in engine.runner.kept.values()) and engine.runner.sizes == [1, 2, COMPILED_ROWS]
     chunks, program = [], engine.runner.chunks.runner
     engine.runner.chunks.runner = lambda tokens, *rest: chunks.append(tokens.shape[1]) or program(tokens, *rest)
     events = serve(engine, arrivals)
@@ -202,9 +203,9 @@ def test_compiled_steps_taken_on_mid_serving_leave_every_requests_tokens(every_w
     arrivals, shape = random_trial(1)
     compiled = every_way_compiled
     engine = ServingEngine(compiled.model, TOK, **{**shape, "max_rows": COMPILED_ROWS})
-    assert not engine.runner.steps.compile and not any(step.package for step in engine.runner.steps.kept.values())
+    assert not engine.runner.compile and not any(step.package for step in engine.runner.kept.values())
     events = serve(engine, arrivals, compile_at=(6, compiled.folder))
-    assert all(step.loaded for step in engine.runner.steps.kept.values()) and engine.runner.steps.sizes == [1, 2, COMPILED_ROWS]
+    assert all(step.loaded for step in engine.runner.kept.values()) and engine.runner.sizes == [1, 2, COMPILED_ROWS]
     for _, r in arrivals:
         assert tokens(events[r.id]) == alone(r), (r.id, shape)
         check_events(r, events[r.id])
@@ -495,7 +496,7 @@ def test_the_prefix_cache_evicts_least_recently_used_and_tails_first():
 def test_serving_check_finds_every_request_equal_to_the_engine_alone(monkeypatch, capsys):
     """The command docs/serving_engine.md quotes, small: two-turn chats through one engine, each request checked
     against the Engine alone (it exits 1 naming the request where they differ)."""
-    from engines import serving_check
+    from engines.serving.engine import check as serving_check
     status, out, err = run_main(serving_check.main, ["serving_check", "--chats", "3", "--tokens", "6"], monkeypatch,
                                 capsys)
     assert status == 0, err

@@ -9,11 +9,9 @@ import torch
 import cached
 from bpe import BPE
 from cached import CachedGPT, exact_tokens, load
-from checkpoint import save_checkpoint
 from helpers import (PART3_CONFIG, ROOT, SMALL, assert_refused, one_line_exit, keys_attended, part3_state_dict,
                      prompts, run_main, uncached_choices)
 from model import GPT, Config, rope_at
-from prefill_clone import KVCache
 
 
 @pytest.fixture(scope="module")
@@ -100,18 +98,6 @@ def test_the_head_runs_once_for_the_prompt_and_once_per_generated_token(random_m
         handle.remove()
 
 
-def test_a_ring_step_past_the_window_attends_exactly_context_keys(random_model, monkeypatch):
-    feed = prompts(1, 50, SMALL.vocab_size)
-    caches = KVCache.for_model(random_model, 1, SMALL.context)
-    with torch.inference_mode():
-        random_model.step(feed[:, :10], caches, 0)
-        seen = keys_attended(monkeypatch)
-        for t in range(10, 50):
-            random_model.step(feed[:, t:t + 1], caches, t)
-    per_step = seen[::SMALL.n_layers]
-    assert per_step == [min(t + 1, SMALL.context) for t in range(10, 50)]
-
-
 def test_the_posts_order_attends_context_plus_1_keys_past_the_window(random_model, monkeypatch):
     feed = prompts(1, 40, SMALL.vocab_size)
     caches = [{} for _ in random_model.blocks]
@@ -131,21 +117,10 @@ def test_each_gotcha_prints_the_drift_the_docs_show(name, monkeypatch, capsys):
     assert out.splitlines() == [line.strip() for line in shown]
 
 
-def test_bad_counts_and_names_are_refused(monkeypatch):
-    assert one_line_exit(cached.main, monkeypatch, "cached.py", "--break", "cache").startswith(
-        "cached.py: error: argument --break: invalid choice: 'cache' (choose from ")
-    assert "prompt is empty" in one_line_exit(cached.main, monkeypatch, "cached.py", "--prompt", "")
-    assert "unknown device 'tpu'" in one_line_exit(cached.main, monkeypatch, "cached.py", "--device", "tpu")
-    if not torch.cuda.is_available():
-        assert "no CUDA GPU" in one_line_exit(cached.main, monkeypatch, "cached.py", "--device", "cuda")
-    assert "--tokens must be a whole number >= 0, got -5" in one_line_exit(cached.main, monkeypatch, "cached.py", "--tokens", "-5")
-    assert "(the tokens they keep) needs " in one_line_exit(cached.main, monkeypatch, "cached.py", "--tokens", str(10**11))
-
-
 def test_cli_states_the_real_count_for_a_prompt_longer_than_the_context(tmp_path, random_model, monkeypatch,
                                                                       capsys):
     checkpoint = tmp_path / "small.pt"
-    save_checkpoint(random_model, checkpoint, step=0)
+    save(random_model, checkpoint)
     vocab = tmp_path / "tok.json"
     vocab.write_text('{"merges": ' + str([[97, 97]] * 256) + '}')
     status, out, err = run_main(cached.main, ["cached.py", checkpoint, "--tokenizer", vocab, "--prompt", "x" * 40,
@@ -154,62 +129,13 @@ def test_cli_states_the_real_count_for_a_prompt_longer_than_the_context(tmp_path
     assert "the first 1 generated tokens are identical" in out
 
 
-@pytest.mark.parametrize("script", ["cached.py", "sample_grid.py", "prefill_clone.py"])
-def test_a_tokenizer_larger_than_the_model_is_named(script, tmp_path, random_model, monkeypatch, capsys):
-    checkpoint = tmp_path / "small.pt"
-    save_checkpoint(random_model, checkpoint, step=0)
-    main = importlib.import_module(script.removesuffix(".py")).main
-    run = run_main(main, [script, checkpoint, *(["--prompt"] if script == "cached.py" else []), "Sherlock Holmes"],
-                   monkeypatch, capsys)
-    assert_refused(run, "tokenizer.json")
-    assert "512" in run[2] and "4096" in run[2]
-
-
-def hostile_checkpoint(path, kind):
-    sd, cfg = part3_state_dict(PART3_CONFIG), dict(PART3_CONFIG)
-    if kind == "nan weight":
-        sd["blocks.0.attn.qkv.weight"][0, 0] = float("nan")
-    elif kind == "zero heads":
-        cfg["n_heads"] = 0
-    elif kind == "string size":
-        cfg["d_model"] = "256"
-    elif kind == "None context":
-        cfg["context"] = None
-    elif kind == "weight not a tensor":
-        sd["norm.bias"] = [0.0] * 256
-    torch.save({"model": sd, "config": cfg, "step": 0}, path)
-
-
-@pytest.mark.parametrize("kind, message", [
-    ("nan weight", "'blocks.0.attn.qkv.weight' holds NaN, infinite or non-float values"),
-    ("zero heads", "config n_heads is 0; expected a whole number >= 1"),
-    ("string size", "config d_model is '256'; expected a whole number >= 1"),
-    ("None context", "config context is None"),
-    ("weight not a tensor", "'norm.bias' is a list, not a tensor"),
-])
-def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message, monkeypatch):
-    hostile_checkpoint(tmp_path / "h.pt", kind)
-    assert message in one_line_exit(cached.main, monkeypatch, "cached.py", str(tmp_path / "h.pt"))
-
-
-@pytest.mark.parametrize("content, message", [
-    ("[" * 50_000 + "]" * 50_000, "nested too deeply"),
-    ('{"merges": [[97, 97], [256, 256], [257, 257], [258, 258], [259, 259], [260, 260], [261, 261], [262, 262], '
-     '[263, 263], [264, 264], [265, 265], [266, 266], [267, 267]]}', "builds a token of 8,192 bytes"),
-    ('{"merges": [[1, "a"]]}', "merge 0 is [1, 'a'], expected a pair of integer ids"),
-])
-def test_hostile_tokenizer_files_get_one_line_and_exit_1(tmp_path, content, message, monkeypatch):
-    (tmp_path / "t.json").write_text(content)
-    assert message in one_line_exit(cached.main, monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "t.json"))
-
-
 def overflowing_checkpoint(path):
     """Finite weights whose scores overflow: a last MLP bias of 3e38 turns the residual stream infinite."""
     torch.manual_seed(0)
     model = GPT(Config(vocab_size=4096, d_model=64, n_heads=4, n_layers=2, context=32))
     with torch.no_grad():
         model.blocks[-1].mlp[2].bias.fill_(3e38)
-    save_checkpoint(model, path, 0)
+    save(model, path)
 
 
 def test_scores_that_overflow_stop_the_cached_loop_at_the_first_token(tmp_path, monkeypatch):
@@ -226,31 +152,42 @@ def test_every_loop_refuses_non_finite_scores_where_they_appear(tmp_path, genera
         getattr(model, generate)(torch.zeros(1, 3, dtype=torch.long), 5)
 
 
-def test_a_tokenizer_other_than_the_recorded_one_is_refused_even_at_the_same_size(tmp_path, monkeypatch):
-    merges = json.load(open("tokenizer.json"))["merges"]
-    merges[-1] = [32, 32] if merges[-1] != [32, 32] else [33, 33]
-    (tmp_path / "other.json").write_text(json.dumps({"merges": merges}))
-    message = one_line_exit(cached.main, monkeypatch, "cached.py", "--tokenizer", str(tmp_path / "other.json"))
-    assert "other.json is not the tokenizer holmes.pt was trained with" in message
+def save(model, path):
+    """Part 3's format: what its train.py saves."""
+    torch.save({"model": model.state_dict(), "config": {f: getattr(model.cfg, f) for f in PART3_CONFIG}, "step": 0},
+               path)
 
 
-def test_a_checkpoint_without_a_tokenizer_record_says_which_tokenizer_it_assumed(tmp_path, capsys):
-    torch.manual_seed(0)
-    save_checkpoint(CachedGPT(Config(vocab_size=4096, d_model=64, n_layers=2, context=32)), tmp_path / "p3.pt", 0)
-    model, _ = cached.load_pair(tmp_path / "p3.pt", "tokenizer.json")
-    assert model.trained_with is None
-    assert capsys.readouterr().err.strip() == \
-        f"note: {tmp_path / 'p3.pt'} does not record its tokenizer; assuming tokenizer.json (--tokenizer)"
-
-
-def test_the_shipped_checkpoint_records_the_shipped_tokenizer(shipped):
-    assert shipped.trained_with == BPE.load("tokenizer.json").record()
+@pytest.mark.parametrize("args, message", [
+    (["--break", "cache"], "argument --break: invalid choice: 'cache'"),
+    (["--tokens", "-5"], "--tokens must be in 0..100000, got -5"),
+    (["--tokens", str(10**11)], "--tokens must be in 0..100000"),
+])
+def test_bad_flags_are_named_by_argparse(args, message, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["cached.py", *args])
+    with pytest.raises(SystemExit) as exit:
+        cached.main()
+    assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda d: os.mkfifo(d / "fifo.pt") or d / "fifo.pt", "is not a regular file (a pipe or a device?)"),
-    (lambda d: "/dev/zero", "is not a regular file (a pipe or a device?)"),
-    (lambda d: d, "is a folder; give a file"),
+    (lambda d: d / "missing.pt", "no checkpoint at "),
+    (lambda d: (d / "text.pt").write_text("not a checkpoint") and d / "text.pt", "is not a loadable Part 3 checkpoint"),
+    (lambda d: torch.save({"model": {}, "config": {"d_model": 64}}, d / "empty.pt") or d / "empty.pt",
+     "is not a loadable Part 3 checkpoint (Error(s) in loading state_dict"),
+    (lambda d: torch.save({"config": {"d_modle": 64}, "model": {}}, d / "odd.pt") or d / "odd.pt",
+     "unexpected keyword argument 'd_modle'"),
+    (lambda d: torch.save({"model": print}, d / "code.pt") or d / "code.pt", "Weights only load failed"),
 ])
-def test_a_checkpoint_that_would_block_or_never_end_is_refused_without_reading_it(tmp_path, monkeypatch, make, message):
-    assert message in one_line_exit(cached.main, monkeypatch, "cached.py", str(make(tmp_path)))
+def test_a_file_that_is_not_a_part3_checkpoint_is_one_line_and_exit_1(tmp_path, make, message, monkeypatch, capsys):
+    path = make(tmp_path)
+    run = run_main(cached.main, ["cached.py", str(path)], monkeypatch, capsys)
+    assert_refused(run, "cached.py: error: ")
+    assert message in run[2]
+
+
+def test_an_empty_prompt_and_a_tokenizer_of_another_size_are_named(tmp_path, random_model, monkeypatch, capsys):
+    assert "prompt is empty" in one_line_exit(cached.main, monkeypatch, "cached.py", "--prompt", "")
+    save(random_model, tmp_path / "small.pt")
+    run = run_main(cached.main, ["cached.py", str(tmp_path / "small.pt")], monkeypatch, capsys)
+    assert_refused(run, "cached.py: error: 'tokenizer.json' has 4096 tokens but the model a vocabulary of 512")

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from dataclasses import dataclass
 
 import cached
-from cli import device_from
-from checkpoint import load_checkpoint, parameter_count, save_checkpoint
+from engines.edge.cli import device_from
+from engines.edge.checkpoint import load_checkpoint, parameter_count, save_checkpoint
 from model import GPT, Config, check_finite
 from helpers import PART3_CONFIG, assert_refused, part3_state_dict, run_main
 

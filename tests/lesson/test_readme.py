@@ -113,7 +113,7 @@ FAKE = {"cached.py": ["import torch", "", "class LayerCache:", "    kept = None"
                       "    def update(self, k, v, start):", "        return k", "", "",
                       "class TrimAfter(LayerCache):", "    def update(self, k, v, start):", "        return v"],
         "model.py": ["def rope_at(x, start):", "    angles = torch.arange(start, start + T)[:, None] * freqs"],
-        "engines/fast_engine.py": ["class FastEngine(Engine):", "    def prepare(self, batch):"]}
+        "engines/fast/engine.py": ["class FastEngine(Engine):", "    def prepare(self, batch):"]}
 
 
 @pytest.mark.parametrize("entry, page, wrong", [
@@ -135,9 +135,9 @@ FAKE = {"cached.py": ["import torch", "", "class LayerCache:", "    kept = None"
     ("[cached.py:11](../cached.py#L11) (`LayerCache.update`)", "docs/map.md", "line 11 does not define LayerCache.update"),
     ("[cached.py:3](cached.py#L3) (`LayerCache`)", "docs/map.md", "is ../cached.py#L3"),
     ("[cached.py:3](../cached.py#L3) (`LayerCache`)", "README.md", "is cached.py#L3"),
-    ("[engines/fast_engine.py:1](../engines/fast_engine.py#L1) (`FastEngine`)", "docs/map.md", None),
-    ("[engines/fast_engine.py:2](../engines/fast_engine.py#L2) (`FastEngine.prepare`)", "docs/map.md", None),
-    ("[engines/fast_engine.py:2](../engines/fast_engine.py#L2) (`FastEngine`)", "docs/map.md", "does not define FastEngine"),
+    ("[engines/fast/engine.py:1](../engines/fast/engine.py#L1) (`FastEngine`)", "docs/map.md", None),
+    ("[engines/fast/engine.py:2](../engines/fast/engine.py#L2) (`FastEngine.prepare`)", "docs/map.md", None),
+    ("[engines/fast/engine.py:2](../engines/fast/engine.py#L2) (`FastEngine`)", "docs/map.md", "does not define FastEngine"),
     ("[kernels.py:1](../kernels.py#L1) (`FastEngine`)", "docs/map.md", "there is no kernels.py"),
 ])
 def test_the_rule_catches_a_link_that_drifted(entry, page, wrong):

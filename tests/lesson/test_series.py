@@ -12,7 +12,7 @@ import cached
 import model as model_py
 from bpe import BPE
 from cached import CachedGPT, Config, load
-from checkpoint import load_checkpoint
+from engines.edge.checkpoint import load_checkpoint
 from helpers import SMALL, uncached_choices
 from sample_grid import SETTINGS
 from sampling import pick

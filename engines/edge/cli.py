@@ -1,0 +1,196 @@
+"""What every script shares at its command line: one-line errors (run_cli), checked arguments, a progress line."""
+import argparse
+import errno
+import operator
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from engines.edge.errors import BadInput, BadValue
+
+
+def first_line(error):
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "no reason given")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose complaints are one line and a non-zero exit, like every other error here."""
+
+    def error(self, message):
+        sys.exit(f"{self.prog}: error: {message} (see --help)")
+
+
+STDOUT_FAILURES = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)  # a gone reader, a full disk
+
+
+def interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
+LESSON = {"model.py", "sampling.py", "cached.py", "prefill_clone.py", "bpe.py"}
+
+
+def from_the_lesson(error):
+    """Whether a ValueError was raised by the lesson's own code: its refusals (a checkpoint, a tokenizer, scores
+    that are not finite) are ValueErrors naming what is wrong, as the post's scripts raise them."""
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.basename(tb.tb_frame.f_code.co_filename) in LESSON
+
+
+def run_cli(main):
+    """Run a script's main; bad input (a BadInput) becomes one line on stderr and exit status 1, any other
+    exception, a bug, keeps its traceback. SIGTERM unwinds like Ctrl-C, so every atomic_write in progress
+    removes its temporary file. (SIGPIPE stays ignored, as Python sets it: at its default, a client gone
+    from serve.py's socket would end the server.)"""
+    name = os.path.basename(sys.argv[0])
+    if sys.stdout is None:  # started with standard output closed (>&-): every print would vanish
+        sys.exit(f"{name}: error: cannot write to standard output: it is closed; give it a place (> FILE, or a terminal)")
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        try:
+            main()
+        finally:
+            sys.stdout.flush()  # what main printed, before its end is said
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one while this is said would cut it off
+        print(file=sys.stderr)
+        sys.exit(f"{name}: interrupted; nothing half-written was left behind")
+    except BadInput as e:
+        sys.exit(f"{name}: error: {e}")
+    except ValueError as e:
+        if not from_the_lesson(e):
+            raise
+        sys.exit(f"{name}: error: {e}")
+    except OSError as e:
+        # a write failure without a file name: standard output's (a file of main's fails as a BadPath)
+        if e.filename is not None or e.errno not in STDOUT_FAILURES:
+            raise
+        try:  # standard output points at the null device from here, so the flush at exit cannot complain again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout with no descriptor (a test's capture)
+            pass
+        if e.errno == errno.EPIPE:  # a reader that went away (| head): silent, the status a shell gives SIGPIPE
+            sys.exit(141)
+        sys.exit(f"{name}: error: cannot write to standard output: {e.strerror or e}")
+    except (MemoryError, RuntimeError) as e:
+        # under a process memory limit torch's allocator raises RuntimeError, not MemoryError
+        if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("allocate", "out of memory")):
+            raise
+        sys.exit(f"{name}: error: out of memory; ask for fewer rows or tokens, or a smaller model")
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "int8")  # what --dtype may say; engines/fast/engine.py runs each
+
+
+def add_speed_flags(ap):
+    """--compile, --compile-cache and --dtype, for the scripts that can run engines.fast.engine's FastEngine."""
+    ap.add_argument("--compile", action="store_true",
+                    help="run the decode step compiled (a minute or so the first time, then loaded from the cache)")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                    help="weights and cache (float16: CUDA; int8: the Linears' weights, one scale per output channel, "
+                         "and their input rows, one scale a row, multiplied in int8)")
+
+
+def check_count(name, n, least=0):
+    """n, a whole number (not a bool) >= least."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < least:
+        raise BadValue(f"{name} must be a whole number >= {least}, got {n!r}")
+    return n
+
+
+def check_least(name, value, least):
+    if not value >= least:  # a NaN too
+        raise BadValue(f"{name} must be at least {least}, got {value}")
+
+
+def as_id(token, what, limit, within="the vocabulary"):
+    """An integer-like (int, numpy or 0-d tensor integer; not a bool) in 0..limit-1, as an int."""
+    try:
+        if isinstance(token, bool) or (isinstance(token, torch.Tensor) and token.dtype == torch.bool):
+            raise TypeError
+        token = operator.index(token)
+    except TypeError:
+        raise BadValue(f"{what} {token!r} is not an integer id") from None
+    if not 0 <= token < limit:
+        raise BadValue(f"{what} {token!r} is outside {within} 0..{limit - 1}")
+    return token
+
+
+def device_from(name):
+    """A torch.device for 'cpu', 'cuda' or 'cuda:N', refusing what this machine lacks."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise BadValue(f"device {name!r} asked for, but torch sees no CUDA GPU here; use 'cpu'")
+        if torch.device(name).index is not None and torch.device(name).index >= torch.cuda.device_count():
+            raise BadValue(f"device {name!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
+        return torch.device(name)
+    raise BadValue(f"unknown device {name!r}; use 'cpu' or 'cuda'")
+
+
+def free_memory(device):
+    """Bytes `device` may still give: the GPU's free memory, or Linux's MemAvailable (None elsewhere)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_fits(nbytes, what, device):
+    """Refuse, before allocating, what would take more than half of the memory `device` has available."""
+    have = free_memory(device)
+    if have is not None and nbytes > have // 2:
+        kind = "GPU memory" if torch.device(device).type == "cuda" else "memory"
+        raise BadValue(f"{what} needs {nbytes / 2**30:.1f} GiB, more than half of this machine's "
+                       f"{have / 2**30:.1f} GiB of available {kind}; ask for fewer rows or tokens")
+
+
+PROGRESS = {"started": None, "shown": 0.0, "drawn": False}
+QUIET_FOR = 2.0  # seconds of work that need no progress line at all
+REDRAW_EVERY = 0.25  # a terminal line, redrawn at most this often
+LOG_EVERY = 10.0  # a plain line in a log file or pipe, at most this often
+
+
+def show_progress(label, done, total, started, note=""):
+    """How far `done` of `total` is, with an ETA, on stderr: in a terminal one line redrawn a few times a
+    second and cleared at the end, in a file or a pipe a plain line every LOG_EVERY seconds."""
+    now, state = time.time(), PROGRESS
+    if state["started"] != started:
+        state.update(started=started, shown=started, drawn=False)
+    tty = sys.stderr.isatty()
+    if done >= total:
+        if state["drawn"] and tty:
+            print("\r" + " " * 79 + "\r", end="", file=sys.stderr, flush=True)
+        state.update(started=None, drawn=False)
+        return
+    elapsed = now - started
+    if elapsed < QUIET_FOR or now - state["shown"] < (REDRAW_EVERY if tty else LOG_EVERY):
+        return
+    eta = elapsed / max(done, 1) * (total - done)
+    line = f"{label}: {done:,}/{total:,}{', ' + note if note else ''}, ETA {eta:.0f}s"
+    print(f"\r{line[:78]} " if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+    state.update(shown=now, drawn=True)
+
+
+def with_progress(fn, total, label):
+    """fn, showing on stderr how many of its `total` calls have begun (show_progress)."""
+    started, done = time.time(), 0
+
+    def counted(*args):
+        nonlocal done
+        done += 1
+        show_progress(label, done, total, started)
+        return fn(*args)
+    return counted

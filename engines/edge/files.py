@@ -1,0 +1,163 @@
+"""Files at the edge: an input is a bounded regular file, and an output never loses anything.
+
+Only regular files are ever replaced, and only when told (--force, --resume),
+judged again when the finished file is put in place; every write goes through a
+new temporary file beside the target, renamed into place (atomic_write).
+"""
+import errno
+import io
+import os
+import stat
+import tempfile
+from contextlib import contextmanager
+
+from engines.edge.errors import Appeared, BadPath, BadValue, NotFound
+
+
+def check_input(path, what, max_bytes, hint=""):
+    """A path to read: an existing regular file of at most max_bytes, never a FIFO or a device that
+    would block or never end. Returns its size."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise BadValue(f"{what}: give a file path, got {path!r}")
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise NotFound(f"{what} {shown(path)} not found{'; ' + hint if hint else ''}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise BadValue(f"{what} {shown(path)} is a folder; give a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise BadValue(f"{what} {shown(path)} is not a regular file (a pipe or a device?); give a file")
+    if info.st_size > max_bytes:
+        raise BadValue(f"{what} {shown(path)} is {info.st_size / 2**20:,.0f} MiB, more than the "
+                         f"{max_bytes / 2**20:,.0f} MiB such a file can sensibly be")
+    return info.st_size
+
+
+def shown(path):
+    """A path as one line of a message: as it is, or quoted where it holds a newline or another control."""
+    path = os.fspath(path)
+    return path if path.isprintable() else repr(path)
+
+
+def check_replaceable(path):
+    """What stands at `path` may be replaced by a file: nothing, a regular file, or a link (dangling, or to a
+    regular file: the link is replaced, never written through). A folder, a device or a pipe never is."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:  # a file, a pipe or a link to one where the path needs a folder
+        raise BadValue(f"cannot write {shown(path)}: {shown(os.path.dirname(path))} is not a folder; "
+                         "give a path in a folder") from None
+    except OSError as e:  # a name longer than the filesystem holds, a loop of links
+        raise BadPath(f"cannot write {shown(path)}: {e.strerror}; give another name") from None
+    if stat.S_ISDIR(mode):
+        raise BadValue(f"cannot write {shown(path)}: it is a folder; give a file name")
+    if not stat.S_ISREG(mode):
+        raise BadValue(f"cannot write {shown(path)}: it is not a regular file (a device, a pipe or a link to "
+                         "one), and only files are ever replaced; give a file path")
+
+
+def check_output(path, force=False, flag="--force", inputs=()):
+    """Before any long work: `path` can be written, and replaces nothing unless told (`flag`). Whatever the
+    flags, refuses an empty path, a folder, a device or a pipe, one of the script's own `inputs`, and a
+    missing or unwritable folder (tried by making atomic_write's temporary file there, the one test that
+    also holds for root and read-only mounts)."""
+    path = os.fspath(path)
+    if not path:
+        raise BadValue("the output path is empty; give a file name")
+    check_replaceable(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise BadValue(f"cannot write {shown(path)}: the folder {shown(folder)} does not exist")
+    for given in inputs:
+        if os.path.exists(path) and os.path.exists(given) and os.path.samefile(given, path):
+            raise BadValue(f"cannot write {shown(path)}: it is {shown(given)}, which this run reads; "
+                             "give another name")
+    if os.path.lexists(path) and not force:
+        raise BadValue(f"{shown(path)} already exists; pass {flag} to replace it")
+    try:
+        fd, probe = temporary_beside(path)  # the very file atomic_write will make first
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        why = "is not writable" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "holds no new file"
+        raise BadPath(f"cannot write {shown(path)}: the folder {shown(folder)} {why} ({e.strerror})") from None
+    return path
+
+
+def temporary_beside(path):
+    """A new, private, empty file beside `path` (O_EXCL), for a write to be renamed into place."""
+    folder = os.path.dirname(os.path.abspath(path))
+    # a part of the name, not all of it: a name near the folder's limit must leave room for the marks
+    return tempfile.mkstemp(prefix=f".{os.path.basename(path)[:40]}.", suffix=".tmp", dir=folder)
+
+
+def place(done, path, force):
+    """Rename the finished file `done` to `path`, judging what stands there at that moment: with force,
+    what check_replaceable allows is replaced; without, the name is taken with O_EXCL first, which fails
+    if anything appeared there while the work ran."""
+    if force:
+        check_replaceable(path)
+    else:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            raise Appeared(appeared(path)) from None
+    try:
+        os.replace(done, path)
+    except BaseException:
+        if not force:
+            os.unlink(path)
+        raise
+
+
+def appeared(path):
+    return (f"{shown(path)} appeared while this ran and is left as it was; nothing was written there "
+            "(pass --force to replace it, or give another name)")
+
+
+class WriteFailures(io.FileIO):
+    """A file that keeps the OSError a write raised, for writers that swallow it (torch.save's is
+    a RuntimeError about a position)."""
+
+    failed = None
+
+    def write(self, data):
+        try:
+            return super().write(data)
+        except OSError as e:
+            self.failed = e
+            raise
+
+
+@contextmanager
+def atomic_write(path, mode="wb", force=False, **open_args):
+    """Write `path` (mode "w" or "wb") through a new temporary file beside it (O_EXCL: never through a
+    file or a link), removed if the body fails or is interrupted, then put in place (place). A write that
+    fails (a full disk, ulimit -f) is one BadPath naming `path`, whatever the writer made of it."""
+    path = os.fspath(path)
+    fd, tmp = temporary_beside(path)
+    raw = WriteFailures(fd, "wb")
+    try:
+        try:
+            f = io.BufferedWriter(raw)
+            if "b" not in mode:
+                f = io.TextIOWrapper(f, **open_args)
+                f.mode = mode  # as open() gives it
+            with f:
+                yield f
+        except Exception as e:
+            failed = raw.failed or (e if isinstance(e, OSError) else None)
+            if failed is None:
+                raise
+            raise BadPath(f"cannot write {shown(path)}: {failed.strerror or failed}; "
+                          "nothing was written there") from None
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
+        place(tmp, path, force)
+    except BaseException:
+        raw.close()
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,566 @@
+"""engines/edge/cli.py: nothing lost, nothing read forever, one line for every refusal, progress that suits its reader."""
+import errno
+import functools
+import hashlib
+import io
+import os
+import re
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+from engines.edge.checks import check_knobs
+
+import bench
+import bpe as bpe_module
+import cached
+from engines.edge import checkpoint
+from engines.edge import cli
+from engines.edge import files
+import model
+import sampling
+from series import train as train_module
+from bpe import BPE
+from engines.edge.cli import run_cli, show_progress
+from engines.edge.files import atomic_write, check_input, check_output
+from engines.edge.errors import BadPath, BadValue
+from helpers import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, exit_status, run_main,
+                     small_and_fast, train)
+
+
+
+def sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_atomic_write_never_writes_through_a_link_or_an_old_temporarys_name(tmp_path):
+    victim, linked = tmp_path / "victim.txt", tmp_path / "linked.txt"
+    victim.write_text("a user's notes")
+    linked.write_text("what the link points at")
+    before = {p: sha(p) for p in (victim, linked)}
+    (tmp_path / "out.json.tmp").symlink_to(linked)  # the fixed name every writer used to open
+    os.rename(victim, tmp_path / ".out.json.tmp")
+    with atomic_write(tmp_path / "out.json", "w") as f:
+        f.write("new")
+    assert (tmp_path / "out.json").read_text() == "new"
+    assert sha(linked) == before[linked] and sha(tmp_path / ".out.json.tmp") == before[victim]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.json.tmp", "linked.txt", "out.json", "out.json.tmp"]
+
+
+def test_atomic_write_replaces_a_link_at_the_target_instead_of_writing_through_it(tmp_path):
+    kept = tmp_path / "kept.txt"
+    kept.write_text("keep me")
+    (tmp_path / "out.txt").symlink_to(kept)
+    with atomic_write(tmp_path / "out.txt", "w", force=True) as f:
+        f.write("new")
+    assert kept.read_text() == "keep me" and not (tmp_path / "out.txt").is_symlink()
+
+
+@pytest.mark.parametrize("failure", [ValueError("disk full"), KeyboardInterrupt()])
+def test_a_cut_write_leaves_the_old_file_and_no_temporary(tmp_path, failure):
+    out = tmp_path / "out.bin"
+    out.write_bytes(b"old")
+    with pytest.raises(type(failure)):
+        with atomic_write(out) as f:
+            f.write(b"half")
+            raise failure
+    assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.bin"]
+
+
+def test_a_finished_write_is_an_ordinary_file_not_a_private_one(tmp_path):
+    with atomic_write(tmp_path / "out.txt", "w") as f:
+        f.write("x")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out.txt").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("make, force, message", [
+    (lambda d: "", False, "the output path is empty"),
+    (lambda d: d, True, "is a folder; give a file name"),
+    (lambda d: d / "missing" / "x.pt", True, "the folder .*missing does not exist"),
+    (lambda d: (d / "x.pt").write_bytes(b"mine") and d / "x.pt", False, "x.pt already exists; pass --force"),
+    (lambda d: (d / "x.pt").symlink_to(d / "nowhere") or d / "x.pt", False, "x.pt already exists"),
+    (lambda d: "/dev/null", True, "/dev/null: it is not a regular file"),  # as root, replacing it is possible
+    (lambda d: (d / "f").write_text("a file") and d / "f" / "x.pt", True, "x.pt: .*/f is not a folder"),
+    (lambda d: (os.mkfifo(d / "p"), (d / "l").symlink_to(d / "p")) and d / "l" / "x.pt", True, "/l is not a folder"),
+])
+def test_outputs_are_checked_before_any_work(tmp_path, make, force, message):
+    with pytest.raises(ValueError, match=message):
+        check_output(make(tmp_path), force)
+
+
+def test_a_path_with_a_newline_is_quoted_so_the_message_stays_one_line(tmp_path):
+    odd = tmp_path / "x\n.pt"
+    odd.write_bytes(b"mine")
+    with pytest.raises(ValueError) as refused:
+        check_output(odd)
+    assert str(refused.value) == f"{str(odd)!r} already exists; pass --force to replace it"
+
+
+@pytest.mark.parametrize("read, content", [
+    (lambda path: check_input(path, "checkpoint", 2**20), None),  # missing
+    (lambda path: check_input(path, "checkpoint", 2**20), "folder"),
+    (lambda path: check_input(path, "checkpoint", 1), b"too long"),
+    (lambda path: checkpoint.load_checkpoint(path), b"not a checkpoint"),
+    (BPE.load, b"{not json"),
+    (bpe_module.read_corpus, b"\xff not UTF-8"),
+], ids=["missing", "folder", "too-large", "checkpoint", "tokenizer", "corpus"])
+def test_every_message_naming_an_input_path_quotes_a_newline_in_it(tmp_path, read, content):
+    odd = tmp_path / "x\ny"
+    if content == "folder":
+        odd.mkdir()
+    elif content is not None:
+        odd.write_bytes(content)
+    with pytest.raises((ValueError, OSError)) as refused:
+        read(odd)
+    assert repr(str(odd)) in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+def test_a_write_without_force_lands_where_nothing_stands_and_leaves_nothing_else(tmp_path):
+    with atomic_write(tmp_path / "new.txt", "w") as f:
+        f.write("new")
+    assert (tmp_path / "new.txt").read_text() == "new" and os.listdir(tmp_path) == ["new.txt"]
+
+
+def test_an_unwritable_folder_is_found_by_trying_not_by_asking(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+    monkeypatch.setattr(files.tempfile, "mkstemp", refuse)
+    with pytest.raises(OSError, match="is not writable .Read-only file system."):
+        check_output(tmp_path / "x.pt")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "nope", "not found"),
+    (lambda d: d, "is a folder"),
+    (lambda d: os.mkfifo(d / "fifo") or d / "fifo", "is not a regular file"),
+    (lambda d: "/dev/zero", "is not a regular file"),
+    (lambda d: (d / "big").write_bytes(b"x" * 2048) and d / "big", "more than the"),
+    (lambda d: "", "give a file path"),
+])
+def test_inputs_are_bounded_regular_files(tmp_path, make, message):
+    with pytest.raises((ValueError, OSError), match=message):
+        check_input(make(tmp_path), "input", max_bytes=1024)
+
+
+@pytest.mark.parametrize("error, message", [
+    (BadValue("a bad knob"), "prog.py: error: a bad knob"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
+     "prog.py: error: out of memory; ask for fewer rows or tokens, or a smaller model"),
+    (MemoryError(), "prog.py: error: out of memory"),
+    (KeyboardInterrupt(), "prog.py: interrupted; nothing half-written was left behind"),
+])
+def test_run_cli_makes_each_failure_one_line_and_exit_1(monkeypatch, capsys, error, message):
+    def main():
+        raise error
+    monkeypatch.setattr(sys, "argv", ["prog.py"])
+    with pytest.raises(SystemExit) as exit:
+        run_cli(main)
+    assert str(exit.value.code).startswith(message) and "\n" not in str(exit.value.code)
+
+
+class FailingStdout(io.StringIO):
+    """A standard output whose `failing` call ("write" or "flush") raises OSError(code)."""
+
+    def __init__(self, failing, code):
+        super().__init__()
+        self.failing, self.code = failing, code
+
+    def write(self, text):
+        if self.failing == "write":
+            raise OSError(self.code, os.strerror(self.code))
+        return super().write(text)
+
+    def flush(self):
+        if self.failing == "flush":
+            raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.parametrize("failing", ["write", "flush"])
+@pytest.mark.parametrize("code, status", [
+    (errno.EPIPE, 141),
+    (errno.ENOSPC, "prog.py: error: cannot write to standard output: No space left on device"),
+    (errno.EIO, "prog.py: error: cannot write to standard output: Input/output error"),
+])
+def test_a_closed_or_failing_stdout_ends_quietly_or_in_one_line(monkeypatch, code, status, failing):
+    monkeypatch.setattr(sys, "argv", ["prog.py"])
+    monkeypatch.setattr(sys, "stdout", FailingStdout(failing, code))
+    with pytest.raises(SystemExit) as exit:
+        run_cli(lambda: print("a result"))
+    assert exit.value.code == status
+
+
+def test_an_oserror_of_main_itself_is_not_said_as_stdouts(monkeypatch):
+    def main():
+        print("a result")
+        raise BadPath("cannot write out.pt: No space left on device; nothing was written there")
+    monkeypatch.setattr(sys, "argv", ["prog.py"])
+    with pytest.raises(SystemExit) as exit:
+        run_cli(main)
+    assert exit.value.code == "prog.py: error: cannot write out.pt: No space left on device; nothing was written there"
+
+
+@pytest.mark.parametrize("script, stdout", [("model.py", "full"), ("sampling.py", "closed")])
+def test_a_full_or_closed_stdout_ends_without_exception_ignored(script, stdout):
+    """A new interpreter: what the flush at exit says is the subject."""
+    target = open("/dev/full", "w") if stdout == "full" else subprocess.PIPE
+    proc = subprocess.Popen([sys.executable, script], cwd=ROOT, stdout=target, stderr=subprocess.PIPE, text=True)
+    if stdout == "closed":
+        proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait()
+    if stdout == "full":
+        target.close()
+        assert (proc.returncode, err) == (1, f"{script}: error: cannot write to standard output: "
+                                             "No space left on device\n")
+    else:
+        assert (proc.returncode, err) == (141, "")
+
+
+@pytest.mark.parametrize("script, says", [(model, "5,781,504"), (sampling, "self-check passed")],
+                         ids=["model.py", "sampling.py"])
+def test_a_self_checking_script_runs_its_check_help_skips_it_a_bad_flag_is_one_line(script, says, monkeypatch,
+                                                                                   capsys):
+    name = os.path.basename(script.__file__)  # model.py prints the post's parameter budget; sampling.py checks pick
+    status, out, err = run_main(script.main, [name], monkeypatch, capsys)
+    assert status == 0 and says in out, err
+    status, out, _ = run_main(script.main, [name, "--help"], monkeypatch, capsys)
+    assert status == 0 and out.startswith(f"usage: {name}") and says not in out
+    assert_refused(run_main(script.main, [name, "--stpes", "3"], monkeypatch, capsys),
+                   f"{name}: error: unrecognized arguments: --stpes 3 (see --help)")
+
+
+def test_run_cli_says_bad_input_in_one_line_and_a_bug_keeps_its_traceback(monkeypatch):
+    def refusing():
+        raise BadValue("--tokens must be at least 1, got 0")
+
+    def buggy():
+        raise ValueError("a bug: an error that is not a BadInput")
+    assert exit_status(refusing, ["prog.py"], monkeypatch) == (1, "prog.py: error: --tokens must be at least 1, got 0\n")
+    with pytest.raises(ValueError, match="a bug"):
+        exit_status(buggy, ["prog.py"], monkeypatch)
+
+
+def test_no_exception_hook_is_installed_by_importing_the_edge():
+    assert sys.excepthook is sys.__excepthook__
+
+
+def test_a_script_started_with_standard_output_closed_says_so_in_one_line():
+    """A new interpreter: a standard output closed before it starts (>&-) is the subject. run_cli says it, and
+    every script runs its main through run_cli."""
+    run = subprocess.run(f"{sys.executable} cached.py --help >&-", shell=True, cwd=ROOT, capture_output=True, text=True)
+    assert (run.returncode, run.stderr) == (1, "cached.py: error: cannot write to standard output: it is closed; "
+                                               "give it a place (> FILE, or a terminal)\n")
+    scripts = [name for name in os.listdir(ROOT) if name.endswith(".py")]
+    sources = {name: open(os.path.join(ROOT, name)).read() for name in scripts}
+    mains = [name for name, source in sources.items() if "\ndef main(" in source]
+    assert "model.py" in mains and "prefill_clone.py" in mains
+    assert [name for name in mains if not sources[name].rstrip().endswith("run_cli(main)")] == []
+
+
+def test_sigterm_mid_write_removes_the_temporary_file_and_ends_in_one_line(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {ROOT!r})
+        from engines.edge.cli import run_cli
+        from engines.edge.files import atomic_write
+        def main():
+            with atomic_write({str(tmp_path / 'out.bin')!r}) as f:
+                f.write(b"half")
+                print("writing", flush=True)
+                time.sleep(30)
+        run_cli(main)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "writing\n"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and err.strip() == "-c: interrupted; nothing half-written was left behind"
+    assert os.listdir(tmp_path) == []
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("tty", [True, False])
+@pytest.mark.parametrize("seconds", [1.5, 6.0, 60.0])
+def test_progress_redraws_a_terminal_a_few_times_a_second_and_a_log_every_ten(monkeypatch, tty, seconds):
+    """600 steps over `seconds`: a terminal gets at most 4 redraws a second after the first 2 s, then a
+    clear; a file or pipe gets at most one plain line per 10 s and never a carriage return."""
+    stream, clock = io.StringIO(), Clock()
+    stream.isatty = lambda: tty
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setattr(cli.time, "time", clock)
+    started, writes = clock.now, 0
+    for done in range(1, 601):
+        clock.now = started + seconds * done / 600
+        before = stream.tell()
+        show_progress("tokens", done, 600, started)
+        writes += stream.tell() != before
+    text = stream.getvalue()
+    visible = max(0.0, seconds - cli.QUIET_FOR)
+    if tty:
+        assert writes <= visible / cli.REDRAW_EVERY + 2
+        assert (writes > 0) == (seconds > cli.QUIET_FOR) and "\n" not in text
+        assert text == "" or text.endswith("\r" + " " * 79 + "\r")  # cleared when done
+        assert seconds < 10 or "ETA" in text
+    else:
+        assert "\r" not in text and writes == text.count("\n") <= seconds / cli.LOG_EVERY
+        assert (writes > 0) == (seconds > cli.LOG_EVERY)
+
+
+def test_cached_py_logs_a_plain_progress_line_every_ten_seconds_at_most(monkeypatch, capsys):
+    """Time is the test's: each reading of the clock moves it on a second, however fast the machine is."""
+    clock, log = Clock(), io.StringIO()
+    log.isatty = lambda: False
+
+    def tick():
+        clock.now += 1.0
+        return clock.now
+    monkeypatch.setattr(cli.time, "time", tick)
+    monkeypatch.setattr(sys, "stderr", log)
+    monkeypatch.setattr(sys, "argv", ["cached.py", "--tokens", "60"])
+    started = clock.now
+    cached.main()
+    assert "identical" in capsys.readouterr().out
+    lines = log.getvalue().splitlines()
+    assert lines and all(re.fullmatch(r"(un)?cached tokens: \d+/60, ETA \d+s", line) for line in lines)
+    assert len(lines) <= (clock.now - started) / cli.LOG_EVERY and "\r" not in log.getvalue()
+
+
+# Nothing lost, for every script that writes a file: bpe.py, train.py, bench.py (export.py: tests/engines/test_export.py)
+
+def state(path):
+    """What stands at `path`, to compare before and after: a link and where it points, a pipe, a file's bytes."""
+    if not os.path.lexists(path):
+        return None
+    if os.path.islink(path):
+        return "link", os.readlink(path), state(os.path.realpath(path)) if os.path.isfile(path) else None
+    if stat.S_ISFIFO(os.lstat(path).st_mode):
+        return "fifo"
+    if os.path.isdir(path):
+        return "folder", sorted(os.listdir(path))
+    return "file", sha(path)
+
+
+OUTPUT = {"bpe.py": "tok.json", "train.py": "run.pt", "bench.py": "bench.json"}
+
+
+def run_writer(script, tmp_path, *flags, monkeypatch, capsys, during=lambda: None, ids_from=None):
+    """`script` in-process in tmp_path, writing OUTPUT[script] there; `during` runs once its work has begun.
+    train.py takes its corpus's token ids from the run in `ids_from` (no "tokenized" line) when given."""
+    monkeypatch.chdir(tmp_path)
+    if script == "train.py":
+        if ids_from and not (tmp_path / "data").exists():
+            copy_run(ids_from, tmp_path, ["data"])
+        real_evaluate = train_module.evaluate
+        monkeypatch.setattr(train_module, "evaluate", lambda *args: (during(), real_evaluate(*args))[1])
+        return train(tmp_path, *TINY, *flags, monkeypatch=monkeypatch, capsys=capsys)
+    if script == "bpe.py":
+        (tmp_path / "corpus.txt").write_text(TEXT)
+        real_train = BPE.train
+        monkeypatch.setattr(BPE, "train", lambda *args, **kwargs: (during(), real_train(*args, **kwargs))[1])
+        argv, main = ["bpe.py", "corpus.txt", "--vocab", "300", "--out", "tok.json"], bpe_module.main
+    else:
+        # what is tested is the writing of bench.json: the model and the bandwidth it measures
+        # first (a second's work) are not what table 1 needs
+        monkeypatch.setattr(bench, "untrained_model", lambda device: None)
+        monkeypatch.setattr(bench, "read_bandwidth", lambda device: 1e10)
+        monkeypatch.setattr(bench, "table_memory", lambda device, out: during())
+        argv, main = ["bench.py", "cpu", "--tables", "1", "--json", "bench.json"], bench.main
+    return run_main(main, [*argv, *flags], monkeypatch, capsys)
+
+
+def no_temporary_files(tmp_path):
+    return not [name for _, _, names in os.walk(tmp_path) for name in names if ".tmp" in name or ".probe-" in name]
+
+
+NOT_FILES = {
+    "fifo": lambda path: os.mkfifo(path),
+    "link to /dev/null": lambda path: os.symlink("/dev/null", path),  # what bench.py --json /dev/null --force was
+    "link to a fifo": lambda path: (os.mkfifo(f"{path}.fifo"), os.symlink(f"{path}.fifo", path)),
+    "folder": lambda path: os.mkdir(path),
+}
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+@pytest.mark.parametrize("kind", NOT_FILES)
+@pytest.mark.parametrize("script", OUTPUT)
+def test_only_regular_files_are_ever_replaced_whatever_the_flags(script, kind, when, tmp_path, finished, monkeypatch,
+                                                                 capsys, shipped_unchanged):
+    target = tmp_path / OUTPUT[script]
+    make = functools.partial(NOT_FILES[kind], target)
+    if when == "before":
+        make()
+    before = {when: None} if when == "during" else {when: state(target)}
+    status, out, err = run_writer(script, tmp_path, "--force", monkeypatch=monkeypatch, capsys=capsys,
+                                  during=make if when == "during" else lambda: None, ids_from=finished)
+    assert_refused((status, out, err), "folder" if kind == "folder" else "is not a regular file")
+    assert "wrote" not in out and state(target) == (before[when] or state(target)) and no_temporary_files(tmp_path)
+    assert not os.path.isfile(target) or os.path.islink(target)
+
+
+APPEARING = {
+    "a file": lambda path: path.write_text("a user's own file"),
+    "a link to a file": lambda path: (path.with_suffix(".kept").write_text("kept"),
+                                      path.symlink_to(path.with_suffix(".kept"))),
+    "a dangling link": lambda path: path.symlink_to("nowhere"),
+}
+
+
+@pytest.mark.parametrize("kind", APPEARING)
+@pytest.mark.parametrize("script", OUTPUT)
+def test_what_appears_at_an_output_during_the_run_is_never_replaced_without_force(
+        script, kind, tmp_path, finished, monkeypatch, capsys, shipped_unchanged):
+    target = tmp_path / OUTPUT[script]
+    made = []
+    run = run_writer(script, tmp_path, monkeypatch=monkeypatch, capsys=capsys,
+                     during=lambda: (APPEARING[kind](target), made.append(state(target))), ids_from=finished)
+    assert_refused(run, f"{OUTPUT[script]} appeared while this ran and is left as it was")
+    assert state(target) == made[0] and no_temporary_files(tmp_path)
+
+
+def raise_(error):
+    raise error
+
+
+@pytest.mark.parametrize("script, args, victim", [
+    ("bpe.py", ["corpus.txt", "--out", "corpus.txt"], "corpus.txt"),
+    ("bpe.py", ["corpus.txt", "--out", "hard-link.txt"], "corpus.txt"),
+    ("bpe.py", ["corpus.txt", "--out", "link.txt"], "corpus.txt"),
+    ("train.py", ["--corpus", "run.csv", "--out", "run"], "run.csv"),  # a corpus named like the run's log
+    ("train.py", ["--corpus", "corpus.txt", "--tokenizer", "run.pt", "--out", "run"], "run.pt"),
+], ids=["bpe-corpus-as-out", "bpe-hard-link-to-corpus", "bpe-link-to-corpus", "train-corpus-as-log",
+        "train-tokenizer-as-checkpoint"])
+def test_force_never_overwrites_the_scripts_own_input(script, args, victim, tmp_path, monkeypatch, capsys,
+                                                      shipped_unchanged):
+    corpus = CORPUS if script == "train.py" else TEXT
+    (tmp_path / "corpus.txt").write_text(corpus)
+    shutil.copy(TOKENIZER, tmp_path / "run.pt")
+    (tmp_path / "run.csv").write_text(corpus)
+    os.link(tmp_path / "corpus.txt", tmp_path / "hard-link.txt")
+    (tmp_path / "link.txt").symlink_to("corpus.txt")
+    before = {name: state(tmp_path / name) for name in os.listdir(tmp_path)}
+    monkeypatch.chdir(tmp_path)
+    if script == "train.py":
+        small_and_fast(monkeypatch)
+        args = [*args, *TINY] + ([] if "--tokenizer" in args else ["--tokenizer", TOKENIZER])
+    main = train_module.main if script == "train.py" else bpe_module.main
+    run = run_main(main, [script, *args, "--force"], monkeypatch, capsys)
+    assert_refused(run, "which this run reads; give another name")
+    assert victim in run[2]
+    assert {name: state(tmp_path / name) for name in before} == before and no_temporary_files(tmp_path)
+
+
+def file_size_limit(limit, undo):
+    """`ulimit -f` for the test's own process, from now until undo() puts it back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    undo.append(lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard)))
+
+
+def full_disk(monkeypatch):
+    """Every temporary file a write goes through is /dev/full: each write fails with ENOSPC."""
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args, **kwargs):
+        fd, path = real_mkstemp(*args, **kwargs)
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, fd)
+        os.close(full)
+        return fd, path
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+@pytest.mark.parametrize("script, victim, limit", [
+    ("bpe.py", "tok.json", "ulimit -f"),  # json.dump
+    ("bpe.py", "tok.json", "full disk"),
+    ("bench.py", "bench.json", "ulimit -f"),
+    ("bench.py", "bench.json", "full disk"),
+    ("train.py", "run.pt", "ulimit -f"),  # torch.save: the CSV log fits, the checkpoint does not
+    ("train.py", "run.csv", "full disk"),
+    ("train.py", "data", "ulimit -f"),  # np.save of the token ids
+], ids=lambda v: str(v))
+def test_a_full_disk_or_a_file_size_limit_is_one_line_and_leaves_the_old_file(
+        script, victim, limit, tmp_path, finished, monkeypatch, capsys, shipped_unchanged):
+    if not os.path.exists("/dev/full") and limit == "full disk":
+        pytest.skip("no /dev/full here")
+    if script == "train.py":
+        kept = [n for n in ("corpus.txt", *RUN_FILES, "data") if (finished / n).exists()]  # no resume file
+        copy_run(finished, tmp_path, [n for n in kept if n != "data" or victim != "data"])
+    else:
+        (tmp_path / OUTPUT[script]).write_text('{"an": "earlier file"}')
+    before = {name: state(tmp_path / name) for name in os.listdir(tmp_path)}
+    undo = []
+    if limit == "full disk":
+        full_disk(monkeypatch)
+    elif victim == "data":  # tokenizing comes before the work run_writer can hook
+        file_size_limit(1000, undo)
+    fits = 10_000 if script == "train.py" else 100  # train.py: the CSV log fits, the checkpoint does not
+    try:
+        run = run_writer(script, tmp_path, "--force", monkeypatch=monkeypatch, capsys=capsys,
+                         during=lambda: limit == "ulimit -f" and not undo and file_size_limit(fits, undo))
+    finally:
+        for put_back in undo:
+            put_back()
+    assert_refused(run, f"error: cannot write {victim}")
+    if victim != "data":  # numpy's short write says only how many bytes it wrote
+        reason = "File too large" if limit == "ulimit -f" else "No space left on device"
+        assert f": {reason}; nothing was written there" in run[2]
+    # the old file is as it was; the id cache's folder is made, and left empty
+    assert no_temporary_files(tmp_path) and state(tmp_path / victim) == before.get(victim, ("folder", []))
+
+
+def test_what_check_output_accepts_atomic_write_can_write(tmp_path):
+    path = tmp_path / ("n" * 250)  # a legal name whose temporary, named after all of it, would not be
+    check_output(path)
+    with atomic_write(path) as f:
+        f.write(b"kept")
+    assert path.read_bytes() == b"kept" and os.listdir(tmp_path) == [path.name]
+
+
+def test_export_without_transformers_names_the_requirements_file_in_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    import export
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert_refused(run_main(export.main, ["export.py"], monkeypatch, capsys),
+                   "export.py: error: export.py needs transformers; pip install -r engines/requirements.txt")
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"temperature": -0.1}, "temperature must be 0"),
+    ({"temperature": 1e-38}, "temperature must be 0 .greedy. or at least"),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"top_p": float("nan")}, "top_p must be a finite number"),
+    ({"penalty": float("inf")}, "penalty must be a finite number"),
+    ({"temperature": 10**400}, "temperature must be a finite number, got 1000000000"),  # past float's range
+    ({"top_k": 2.0}, "top_k must be a whole number"),
+    ({"top_k": -1}, "top_k must be a whole number >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"penalty": 0.0}, r"penalty must be in \[0.0001, 10000\]"),
+    ({"penalty": 1e-300}, r"penalty must be in \[0.0001, 10000\]"),
+])
+def test_bad_knobs_are_refused_by_name_in_one_line(knobs, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        check_knobs(**knobs)
+    assert len(str(refused.value).splitlines()) == 1

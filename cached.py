@@ -1,18 +1,11 @@
 """A KV cache for the Part 3 GPT, added without retraining, and its proof.
 
-The prompt pass runs the whole prompt once and keeps each layer's keys and
-values in the post's dict per layer; every later step feeds one token at its
-true position (rope_at) and attends to the kept keys, unmasked (is_causal=T > 1).
+The prompt runs once and leaves each layer's keys and values in the post's dict; each later step feeds one
+token at its true position (rope_at) and attends to the kept keys, unmasked (is_causal=T > 1).
 
-    python cached.py [CHECKPOINT] [--prompt TEXT] [--tokens 600]
-
-asserts greedy tokens with and without the cache agree while the uncached loop
-sees the whole text (context - prompt + 1 tokens), and says where they part.
-
-    python cached.py --break rope     # RoPE without the offset
-    python cached.py --break mask     # is_causal=True on one-query steps
-
-reproduce the two bugs and report after how many of 100 tokens each drifts.
+    python cached.py [CHECKPOINT] [--prompt TEXT] [--tokens 600]   # cached equals uncached inside the window
+    python cached.py --break rope     # Gotcha 1 on purpose: after how many of 100 tokens it drifts
+    python cached.py --break mask     # Gotcha 2 on purpose
 """
 import argparse
 import sys
@@ -50,15 +43,13 @@ class CachedAttention(RoPEAttention):
 
 
 class RopeFromZero(CachedAttention):
-    """Gotcha 1 on purpose: the attention forgets the offset, every token is rotated as if it came first."""
-
+    """RoPE starts every new token at position 0: Gotcha 1 on purpose, each token rotated as if it came first."""
     def forward(self, x, cache=None, start=0):
         return super().forward(x, cache, 0)
 
 
 class AlwaysCausal(CachedAttention):
-    """Gotcha 2 on purpose: is_causal=True even for one query, which then sees only the first key."""
-
+    """is_causal=True with one query: Gotcha 2 on purpose, that query then sees only the first key."""
     def attend(self, q, k, v, is_causal, attn_mask=None):
         return super().attend(q, k, v, True, attn_mask)
 
@@ -98,12 +89,12 @@ class CachedGPT(GPT):
         return idx
 
 
-def load(path, device="cpu", attention=CachedAttention):
-    """A Part 3 checkpoint as a CachedGPT in eval mode. weights_only=True reads tensors and plain data, never
-    code; strict loading refuses a missing, extra or misshapen weight. Each refusal is a ValueError naming it."""
+def load(path, device="cpu"):
+    """A Part 3 checkpoint as a CachedGPT in eval mode: weights_only=True reads tensors and plain data, never code,
+    and strict loading refuses a missing, extra or misshapen weight, each refusal a ValueError naming it."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        model = CachedGPT(Config(**ckpt["config"]), attention)
+        model = CachedGPT(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
     except FileNotFoundError:
         raise ValueError(f"no checkpoint at {path!r}; pass a Part 3 .pt file") from None
@@ -140,26 +131,21 @@ def exact_tokens(context, n_prompt):
     return context - min(n_prompt, context) + 1
 
 
-def timed(generate, prompt, n_tokens, label):
-    t0 = time.time()
-    tokens = generate(prompt, n_tokens)[0].tolist()
-    seconds = time.time() - t0
-    print(f"{label + ':':<10}{n_tokens} tokens in {seconds:5.1f}s ({n_tokens / seconds:,.0f} tok/s)")
-    return tokens
-
-
 def prove(model, prompt, n_tokens):
-    n_prompt = prompt.shape[1]
-    cached = timed(model.generate_cached, prompt, n_tokens, "cached")
-    uncached = timed(model.generate_uncached, prompt, n_tokens, "uncached")
-    exact = min(n_tokens, exact_tokens(model.cfg.context, n_prompt))
-    diff = first_difference(cached, uncached)
-    if diff is not None and diff < n_prompt + exact:
+    runs = {}
+    for label, generate in (("cached", model.generate_cached), ("uncached", model.generate_uncached)):
+        t0 = time.time()
+        runs[label] = generate(prompt, n_tokens)[0].tolist()
+        seconds = time.time() - t0
+        print(f"{label + ':':<10}{n_tokens} tokens in {seconds:5.1f}s ({n_tokens / seconds:,.0f} tok/s)")
+    exact = min(n_tokens, exact_tokens(model.cfg.context, prompt.shape[1]))
+    diff, n = first_difference(runs["cached"], runs["uncached"]), len(runs["cached"])
+    if diff is not None and diff < prompt.shape[1] + exact:
         sys.exit(f"cached.py: FAILED: cached and uncached differ at position {diff}, "
                  f"inside the first {exact} generated tokens")
     print(f"the first {exact} generated tokens are identical (the uncached loop sees the whole text that far)")
-    print(f"after that: no difference in all {len(cached)} positions" if diff is None else
-          f"after that: first difference at position {diff} of {len(cached)}")
+    print(f"after that: no difference in all {n} positions" if diff is None else
+          f"after that: first difference at position {diff} of {n}")
 
 
 def drift(model, prompt, name, n_tokens=100):
@@ -186,14 +172,12 @@ def main():
         prompt = encode(load_tokenizer(args.tokenizer, model), args.prompt, model)
         print(f"{args.checkpoint}, prompt {args.prompt!r} ({prompt.shape[1]} tokens), greedy, {args.device}")
         if args.broken is None:
-            prove(model, prompt, args.tokens)
-            return
+            return prove(model, prompt, args.tokens)
         diff = drift(model, prompt, args.broken)
     except ValueError as e:
         sys.exit(f"cached.py: error: {e}")
-    what = {"rope": "RoPE starts every new token at position 0", "mask": "is_causal=True with one query"}
     verdict = "never drifts" if diff is None else f"drifts from the correct cached output after {diff} tokens"
-    print(f"--break {args.broken} ({what[args.broken]}): of 100 greedy tokens, {verdict}")
+    print(f"--break {args.broken} ({GOTCHAS[args.broken].__doc__.split(':')[0]}): of 100 greedy tokens, {verdict}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,9 @@
 """nanochat's trick: run the prompt once at batch 1, copy its cache into N rows.
 
-The cache is the post's: one dict per layer, its "k" and "v" (batch, heads,
-positions, head_dim). Engine runs the prompt once, clones each dict into N
-rows (clone_prompt) and lets each row decode on its own, as nanochat's Engine
-does: its own first token, seeded generator, knobs, forced tokens and stop
-rule, yielding (token_column, token_masks) a step. Speed is applied from
-outside (engines/fast/engine.py's FastEngine extends this loop).
+The cache is the post's dict per layer ("k", "v": batch, heads, positions, head_dim). Engine runs the prompt
+once, clones it into N rows (clone_prompt) and lets each row decode on its own as nanochat's Engine does: its
+own first token, seeded generator, knobs, forced tokens and stop rule, yielding (token_column, token_masks) a
+step. Speed is applied from outside (engines/fast/engine.py's FastEngine extends this loop).
 
     python prefill_clone.py [CHECKPOINT] [PROMPT] -n 8 --tokens 60 --seed 0   # N samples, then their speed
 """
@@ -82,18 +80,13 @@ class Engine:
 
     def take(self, rows, picked, stops_at):
         """Each row takes its picked token, or its next forced one (mask 0); a completed row takes nothing (None)."""
-        column, masks = [], []
-        for row, token in zip(rows, picked):
-            if row.completed:
-                column.append(None)
-                masks.append(None)
-                continue
-            is_forced = bool(row.forced_tokens)
-            token = row.forced_tokens.popleft() if is_forced else token
-            row.tokens.append(token)
-            row.completed = stops_at(row, token)
-            column.append(token)
-            masks.append(0 if is_forced else 1)
+        column, masks = [None] * len(rows), [None] * len(rows)
+        for i, (row, token) in enumerate(zip(rows, picked)):
+            if not row.completed:
+                masks[i] = 0 if row.forced_tokens else 1
+                column[i] = row.forced_tokens.popleft() if row.forced_tokens else token
+                row.tokens.append(column[i])
+                row.completed = stops_at(row, column[i])
         return column, masks
 
     @torch.inference_mode()

@@ -1,7 +1,7 @@
 """Serve the checkpoint to many users at once: an OpenAI-compatible HTTP server and a chat page.
 
     pip install -r requirements.txt -r engines/requirements.txt
-    python -m engines.serve [CHECKPOINT] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--allow-host NAME[:PORT]]
+    python -m engines.serve [CHECKPOINT] [--host 127.0.0.1] [--port 8000] [--api-key-file PATH] [--allow-host NAME]
                     [--rows 16] [--cache-mib MIB] [--queue 64] [--prefill-chunk 128] [--eager] [--compile-cache DIR]
                     [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 
@@ -43,6 +43,7 @@ from engines.export import peers
 from engines.serving.engine import SERVED_DTYPES
 
 BLOCK_SIZE = 16  # tokens a cache block holds: small blocks suit a 256-token window
+KEY_VARIABLE = "TINY_GPT_API_KEY"  # the key where no other user can read it, unlike a flag (ps, /proc/PID/cmdline)
 STOP_SECONDS = 60  # a stop waits this long for the requests in flight: a full window of tokens takes far less
 
 
@@ -62,6 +63,29 @@ def listening_socket(host, port):
         raise BadValue(f"cannot listen on {host}:{port} ({e.strerror}){hint}") from None
     sock.listen(2048)
     return sock
+
+
+def read_api_key(args):
+    """The key from --api-key, --api-key-file or $TINY_GPT_API_KEY (one of them), or None; refused in one line
+    unless it is printable ASCII without spaces, which an Authorization header carries exactly."""
+    sources = {"--api-key": args.api_key, "--api-key-file": args.api_key_file,
+               f"${KEY_VARIABLE}": os.environ.get(KEY_VARIABLE), "--no-api-key": args.no_api_key or None}
+    given = {name: value for name, value in sources.items() if value is not None}
+    if len(given) > 1:
+        raise BadValue(f"give one of {', '.join(sources)}, got {' and '.join(given)}")
+    source, key = next(iter(given.items()), (None, None))
+    if source == "--api-key-file":
+        try:
+            with open(key, encoding="utf-8", errors="replace") as f:
+                key = f.read(4097).removesuffix("\n").removesuffix("\r")
+        except OSError as e:
+            raise BadValue(f"--api-key-file {args.api_key_file!r} cannot be read ({e.strerror})") from None
+    if source in (None, "--no-api-key"):
+        return None
+    if not 1 <= len(key) <= 4096 or not all("!" <= c <= "~" for c in key):
+        raise BadValue(f"the key from {source} must be 1 to 4096 printable ASCII characters without spaces "
+                       "(a client sends it in an HTTP header exactly)")
+    return key
 
 
 def keep_compiled_steps(checkpoint, tokenizer_path, dtype, rows, compile_cache):
@@ -130,13 +154,18 @@ def main():
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface; "
-                                                         "beyond loopback, --api-key or --allow-host is needed)")
+                                                         "beyond loopback a key is needed, or --no-api-key)")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free one (the ready line names it)")
-    ap.add_argument("--api-key", metavar="KEY", help="every request but the page and /health must send "
-                                                     "'Authorization: Bearer KEY' (an OpenAI client's api_key)")
+    ap.add_argument("--api-key-file", metavar="PATH",
+                    help=f"a file holding the key every request but the page and /health must send as "
+                         f"'Authorization: Bearer KEY' (an OpenAI client's api_key); or set ${KEY_VARIABLE}")
+    ap.add_argument("--api-key", metavar="KEY", help="the key on the command line, where every local user can read "
+                                                     "it (ps, /proc): prefer --api-key-file or $" + KEY_VARIABLE)
+    ap.add_argument("--no-api-key", action="store_true",
+                    help="beyond loopback, serve without a key: anyone who reaches the address may use it")
     ap.add_argument("--allow-host", metavar="NAME[:PORT]", action="append", default=[],
                     help="a name clients reach the server by, beside localhost's (repeat for more); a request "
-                         "naming another Host is refused")
+                         "naming another Host is refused (it stops DNS rebinding; it is not access control)")
     ap.add_argument("--rows", type=int, default=16, help="requests decoding together, one row each")
     ap.add_argument("--cache-mib", type=int, default=None,
                     help="memory for the prefix cache's blocks, in MiB, beside the rows' own (default: as much as "
@@ -169,11 +198,13 @@ def main():
     from engines.serving.http_policy import allowed_hosts, is_loopback
     from engines.serving.server import create_app
     from engines.serving.engine import ServingEngine
-    if args.api_key == "":
-        raise BadValue("--api-key must not be empty")
-    if not is_loopback(args.host) and not (args.api_key or args.allow_host):
-        raise BadValue(f"--host {args.host} listens beyond this machine: give --api-key KEY (every client must send "
-                       "it) or --allow-host NAME for each name clients reach it by")
+    api_key = read_api_key(args)
+    if not is_loopback(args.host) and api_key is None and not args.no_api_key:
+        raise BadValue(f"--host {args.host} listens beyond this machine, where anyone may reach it: give it a key "
+                       f"(--api-key-file PATH or ${KEY_VARIABLE}; every client sends it), or say --no-api-key")
+    if args.no_api_key and not is_loopback(args.host):
+        print(f"serve.py: no API key (--no-api-key): anyone who reaches {args.host}:{args.port} may use this server",
+              file=sys.stderr)
     device = device_from(args.device)
     dtype = check_dtype(args.dtype, device)
     compile = not args.eager
@@ -202,7 +233,7 @@ def main():
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
     host, port = sock.getsockname()[:2]
     app = create_app(engine, tokenizer, model_id, model.cfg.context, args.rows, args.queue,
-                     allowed_hosts(args.host, port, args.allow_host), args.api_key)
+                     allowed_hosts(args.host, port, args.allow_host, api_key is not None), api_key)
     rows, compiling = ", ".join(map(str, engine.runner.sizes)), None
     step = f"the decode step {'compiled' if in_process else 'eager'}, for {rows} rows, on {device}, {args.dtype}"
     if compile and not in_process:

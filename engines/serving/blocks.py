@@ -1,7 +1,8 @@
 """The prefix cache's bookkeeping: which stored block holds which tokens, least recently used first.
 
 A full block's identity is a hash chain, vLLM's and nano-vllm's: the digest of its parent block's digest
-and its own token ids, so two blocks share a digest only when every token up to their end is the same.
+and its own token ids, so two blocks share a digest only when every token up to their end is the same (and
+the request's cache_salt, where one is given: the chain's root).
 The store's blocks are copies (engines/serving/row_cache.py): a row copies a cached prefix in at admission and
 its full blocks out as it writes them, so no row holds a stored block and any of them may be evicted at
 any time, the least recently used first, when a new one needs its room. This file never touches a tensor.
@@ -26,9 +27,15 @@ def block_digest(parent, tokens):
     return h.digest()
 
 
-def digests_of(tokens, block_size):
-    """The digest chain of every full block of tokens (a trailing partial block has none)."""
-    digests, parent = [], b""
+def chain_root(cache_salt):
+    """The parent of a prompt's first block: b"", or a digest of the request's cache_salt (vLLM's), so that only
+    requests with the same salt find each other's blocks."""
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest() if cache_salt else b""
+
+
+def digests_of(tokens, block_size, root=b""):
+    """The digest chain of every full block of tokens (a trailing partial block has none), from root."""
+    digests, parent = [], root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = block_digest(parent, tokens[start:start + block_size])
         digests.append(parent)

@@ -5,7 +5,8 @@ send it requests. The rules, each answered with OpenAI's error JSON before any r
 
 - Host: the Host header names an allowed host (421), so a DNS-rebinding page (a name of its own that points
   at 127.0.0.1) cannot read the answers. Allowed: localhost's names at the served port, the address served
-  (when it is one), and each --allow-host. Beyond loopback with --api-key alone, any Host (the key guards).
+  (when it is one), and each --allow-host. Beyond loopback with a key and no names, any Host (the key guards).
+  A Host list is not access control (a client writes its own Host): beyond loopback, the key is.
 - Origin: a request a browser marks with an Origin must come from the page's own origin, the Host it was
   sent to (403): no other site's page can make the server generate.
 - Content-Type: a POST is application/json (415). A page can send text/plain to any address without asking,
@@ -54,9 +55,9 @@ def with_port(name, port):
     return name if ("]:" in name if name.startswith("[") else ":" in name) else f"{name}:{port}"
 
 
-def allowed_hosts(host, port, allow_hosts=()):
-    """The Host headers served, or None for any (beyond loopback with a key alone)."""
-    if not is_loopback(host) and not allow_hosts:
+def allowed_hosts(host, port, allow_hosts=(), keyed=False):
+    """The Host headers served, or None for any (beyond loopback, with a key and no names given)."""
+    if not is_loopback(host) and not allow_hosts and keyed:
         return None
     served = [] if host in ("0.0.0.0", "::") else [f"[{host}]" if ":" in host else host]
     return {with_port(name, port) for name in (*LOOPBACK_NAMES, *served, *allow_hosts)}

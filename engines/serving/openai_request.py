@@ -1,8 +1,9 @@
 """What a request to serve.py's server (engines/serving/server.py) may ask, read and checked once: seed (absent: a fresh
 one), temperature (0: greedy), top_p, top_k, repetition_penalty (the lesson's; OpenAI's frequency and presence
 penalties are another thing, refused by name unless 0), stop (a string or a list), max_tokens or
-max_completion_tokens, stream and stream_options.include_usage; model may name anything, answers name the
-served one; n and best_of only 1 (NOT_OFFERED lists the rest). A field not of its type, unknown or not offered
+max_completion_tokens (1 to what the prompt leaves of the window), stream and stream_options.include_usage,
+cache_salt (vLLM's: only requests with the same salt share the prefix cache); model may name anything, answers
+name the served one; n and best_of only 1 (NOT_OFFERED lists the rest). A field not of its type, unknown or not offered
 is refused by name with a 400; the engine's submit checks the values. And CHAT_TEMPLATE, the one text the
 model reads for OpenAI's messages.
 """
@@ -29,7 +30,7 @@ FIELDS = {"model": ((str,), None), "stream": ((bool,), False), "stream_options":
           "temperature": (NUMBER, 1.0), "top_p": (NUMBER, 1.0), "top_k": (WHOLE, 0),
           "repetition_penalty": (NUMBER, 1.0),
           "stop": ((str, list), []), "user": ((str,), None), "metadata": ((dict,), None), "store": ((bool,), None),
-          "parallel_tool_calls": ((bool,), None)}
+          "parallel_tool_calls": ((bool,), None), "cache_salt": ((str,), "")}
 TYPE_NAMES = {NUMBER: "a number", WHOLE: "a whole number", (str,): "a string", (bool,): "true or false",
               (dict,): "an object", (str, list): "a string or a list of strings"}
 PENALTIES = ("this model's knob is repetition_penalty (a repeated token's score divided by it if positive, "
@@ -38,7 +39,7 @@ PENALTIES = ("this model's knob is repetition_penalty (a repeated token's score 
 NOT_OFFERED = {"n": ((1,), "one choice a request; send n requests, each with its own seed"),
                "best_of": ((1,), "one choice a request; send several requests, each with its own seed"),
                "frequency_penalty": ((0,), PENALTIES), "presence_penalty": ((0,), PENALTIES),
-               "logprobs": ((False, 0), "log probabilities are not returned"),
+               "logprobs": ((False,), "log probabilities are not returned (0 asks for the sampled tokens' own)"),
                "top_logprobs": ((0,), "log probabilities are not returned"), "echo": ((False,), "no echo"),
                "suffix": (("",), "no insertion mode"), "logit_bias": (({},), "no logit bias; use stop, top_k or top_p"),
                "tools": (([],), "the model has no tools"), "tool_choice": (("none", "auto"), "the model has no tools"),
@@ -59,8 +60,21 @@ def shown(value):
 
 
 def asks_nothing(value, allowed):
-    """Whether a NOT_OFFERED field's value is one that asks for nothing (0 is 0.0, but true is not 1)."""
-    return value is None or any(value is v or value == v and type(value) is not bool for v in allowed)
+    """Whether a NOT_OFFERED field's value is one that asks for nothing (0 is 0.0, but true is not 1, 0 not false)."""
+    return value is None or any(value is v or value == v and bool not in (type(value), type(v)) for v in allowed)
+
+
+def lone_surrogate(value):
+    """Whether a string anywhere in value, a key too, holds a lone surrogate (JSON's "\\ud800"): not text."""
+    if isinstance(value, dict):
+        return any(lone_surrogate(k) or lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(map(lone_surrogate, value))
+    try:
+        isinstance(value, str) and value.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def read_request(body, prompt_field):
@@ -70,6 +84,11 @@ def read_request(body, prompt_field):
     if prompt_field not in body:
         raise Refused(f"'{prompt_field}' is required", prompt_field)
     for name, value in body.items():
+        if lone_surrogate(name) or lone_surrogate(value):  # no text to encode, to the model or in an answer
+            where = None if lone_surrogate(name) else name if name != "messages" or not isinstance(value, list) else \
+                f"messages[{next(i for i, m in enumerate(value) if lone_surrogate(m))}]"
+            raise Refused(f"{where or 'a field name'} holds a lone surrogate (as JSON's \"\\ud800\"), which is not "
+                          "text; send UTF-8 text", where)
         if name in NOT_OFFERED and not asks_nothing(value, NOT_OFFERED[name][0]):
             raise Refused(f"{name}={shown(value)} is not offered: {NOT_OFFERED[name][1]}", name)
         if name in FIELDS and value is not None and type(value) not in FIELDS[name][0]:

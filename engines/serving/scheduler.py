@@ -115,7 +115,7 @@ class Scheduler:
         prompts find it."""
         bs = self.block_size
         for i in range(len(s.digests), s.computed // bs):
-            s.digests.append(block_digest(s.digests[-1] if i else b"", s.tokens[i * bs:(i + 1) * bs]))
+            s.digests.append(block_digest(s.digests[-1] if i else s.root, s.tokens[i * bs:(i + 1) * bs]))
             block = self.prefix.keep(s.digests)
             if block is not None:
                 self.store.save(self.rows, s.row, i, block)

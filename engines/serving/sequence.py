@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.serving.blocks import digests_of
+from engines.serving.blocks import chain_root, digests_of
 from engines.serving.text import TextStream
 
 
@@ -23,6 +23,7 @@ class Request:
     top_p: float = 1.0
     penalty: float = 1.0
     stop: list = field(default_factory=list)  # token ids and/or strings
+    cache_salt: str = ""  # only requests with the same salt share cached blocks (vLLM's cache_salt)
 
 
 @dataclass
@@ -47,7 +48,8 @@ class Sequence:
         self.tokens, self.n_prompt = list(tokens), len(tokens)
         self.generator = torch.Generator(device).manual_seed(seed)
         self.stop_ids, self.stops_at, self.text = stop_ids, stops_at, TextStream(vocab, stop_texts)
-        self.prompt_digests = digests_of(self.tokens, block_size)
+        self.root = chain_root(request.cache_salt)
+        self.prompt_digests = digests_of(self.tokens, block_size, self.root)
         self.row, self.digests = None, []  # its row of the cache; the digests of the row's leading full blocks
         self.computed = self.cached = 0
 

@@ -214,15 +214,20 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
             return Response(status_code=499)
         fields, ids = await asyncio.to_thread(parsed, data, chat)
         stops = fields["stop"] + (ROLE_LINES if chat else [])
+        room = context - len(ids)  # what this prompt leaves of the window: the one rule for max_tokens
+        if room < 1:
+            raise Refused(f"the prompt is {len(ids)} tokens; at most {context - 1} fit the model's {context}-token "
+                          "window", "messages" if chat else "prompt")
         max_tokens = fields["max_tokens"]
         if max_tokens is None:
-            max_tokens = max(context - len(ids), 1) if chat else COMPLETION_DEFAULT_TOKENS
-        if max_tokens > context:  # said before the engine's memory check, which would not name the field
-            raise Refused(f"max_tokens {max_tokens} is more than the model's {context}-token window", "max_tokens")
+            max_tokens = room if chat else min(COMPLETION_DEFAULT_TOKENS, room)
+        if not 1 <= max_tokens <= room:
+            raise Refused(f"max_tokens must be in 1..{room}, got {max_tokens}: this prompt's {len(ids)} tokens leave "
+                          f"{room} of the model's {context}-token window", "max_tokens")
         job = EngineRequest(id=uuid.uuid4().hex, prompt=ids, max_tokens=max_tokens, stop=stops,
                             seed=secrets.randbits(63) if fields["seed"] is None else fields["seed"],  # OpenAI's: fresh
                             temperature=fields["temperature"], top_k=fields["top_k"], top_p=fields["top_p"],
-                            penalty=fields["repetition_penalty"])
+                            penalty=fields["repetition_penalty"], cache_salt=fields["cache_salt"])
         events = await loop.submit(job)
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "created": int(time.time()), "model": model_id}
         if fields["stream"]:

@@ -5,6 +5,7 @@ generated; the page's answers carry the headers that keep it from being framed o
 
 The servers run on the shipped holmes.pt in a thread, as tests/engines/test_server.py's do; raw HTTP where the
 headers are the subject, the official openai client where a client's view is."""
+import argparse
 import os
 import random
 
@@ -156,13 +157,40 @@ def test_the_allowed_hosts_are_localhosts_names_the_address_served_and_those_nam
         "localhost:80", "127.0.0.1:80", "[::1]:80", "box.lan:80", "tiny.example:443"}
     assert "10.0.0.5:8000" in allowed_hosts("10.0.0.5", 8000, ["Box.LAN"]) and "box.lan:8000" in allowed_hosts(
         "0.0.0.0", 8000, ["Box.LAN"])
-    assert allowed_hosts("0.0.0.0", 8000) is None  # beyond loopback with a key alone: the key guards
+    assert allowed_hosts("0.0.0.0", 8000, keyed=True) is None  # beyond loopback with a key alone: the key guards
+    assert allowed_hosts("0.0.0.0", 8000) == {"localhost:8000", "127.0.0.1:8000", "[::1]:8000"}  # never any host
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--host", "0.0.0.0"], "--host 0.0.0.0 listens beyond this machine: give --api-key KEY"),
-    (["--api-key", ""], "--api-key must not be empty"),
+BEYOND = "--host 0.0.0.0 listens beyond this machine, where anyone may reach it: give it a key"
+
+
+@pytest.mark.parametrize("flags, env, message", [
+    (["--host", "0.0.0.0"], {}, BEYOND),
+    (["--host", "0.0.0.0", "--allow-host", "example.test"], {}, BEYOND),  # a Host list is not access control
+    (["--api-key", ""], {}, "the key from --api-key must be 1 to 4096 printable ASCII characters without spaces"),
+    (["--api-key", "sk-é"], {}, "the key from --api-key must be 1 to 4096 printable ASCII"),
+    ([], {"TINY_GPT_API_KEY": "sk-key "}, "the key from $TINY_GPT_API_KEY must be 1 to 4096 printable ASCII"),
+    (["--api-key", "a", "--no-api-key"], {}, "give one of --api-key, --api-key-file, $TINY_GPT_API_KEY, --no-api-key, "
+                                             "got --api-key and --no-api-key"),
+    (["--api-key", "a"], {"TINY_GPT_API_KEY": "b"}, "got --api-key and $TINY_GPT_API_KEY"),
+    (["--api-key-file", "/nowhere/key"], {}, "--api-key-file '/nowhere/key' cannot be read (No such file or directory)"),
 ])
-def test_serve_refuses_to_listen_beyond_loopback_open_to_any_host_in_one_line(flags, message, monkeypatch, capsys):
+def test_serve_refuses_an_open_door_or_a_key_no_client_could_send_in_one_line(flags, env, message, monkeypatch, capsys):
     from engines import serve
+    monkeypatch.delenv("TINY_GPT_API_KEY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     assert_refused(run_main(serve.main, ["serve.py", "--port", "0", "--eager", *flags], monkeypatch, capsys), message)
+
+
+def test_the_key_comes_from_a_file_or_the_environment_where_ps_cannot_show_it(tmp_path, monkeypatch):
+    from engines.serve import read_api_key
+
+    def key(*flags):
+        return read_api_key(argparse.Namespace(**{"api_key": None, "api_key_file": None, "no_api_key": False,
+                                                  **dict(zip(flags[::2], flags[1::2]))}))
+    monkeypatch.delenv("TINY_GPT_API_KEY", raising=False)
+    (tmp_path / "key").write_text("sk-from-a-file\n")
+    assert key("api_key_file", str(tmp_path / "key")) == "sk-from-a-file" and key() is None
+    monkeypatch.setenv("TINY_GPT_API_KEY", "sk-from-the-environment")
+    assert key() == "sk-from-the-environment"

@@ -156,6 +156,23 @@ def test_a_chats_second_turn_reports_cached_tokens_and_says_what_a_fresh_engine_
     assert second.choices[0].message.content == fresh.choices[0].message.content
 
 
+@pytest.mark.parametrize("max_tokens", [-1, 0, 254, 10**12])
+def test_max_tokens_has_one_rule_naming_what_this_prompt_may_ask_for(server, max_tokens):
+    status, answer = server.http("POST", "/v1/completions", {"prompt": "The night was", "max_tokens": max_tokens})
+    assert status == 400 and answer["error"]["message"].startswith(f"max_tokens must be in 1..253, got {max_tokens}: "
+                                                                   "this prompt's 3 tokens leave 253"), answer
+
+
+def test_only_requests_with_the_same_cache_salt_see_each_others_cached_blocks(server):
+    secret = "Holmes said that the bank's vault code was 4711, and Watson wrote it down at once in his book."
+    usage = {}
+    for who, salt in [("alice", "alice"), ("mallory", "mallory"), ("unsalted", None), ("alice again", "alice")]:
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        answer = server.client.completions.create(model="holmes", prompt=secret, max_tokens=1, temperature=0, **extra)
+        usage[who] = answer.usage.prompt_tokens_details.cached_tokens
+    assert usage["mallory"] == usage["unsalted"] == 0 and usage["alice again"] > 0, usage
+
+
 def test_a_stop_string_ends_the_text_before_it_whole_and_streamed(server, pair):
     prompt = "The night was"
     text = greedy_text(pair, prompt, 12)
@@ -182,9 +199,16 @@ BAD = [  # (what, path, body, the field the error names or None)
      {"messages": [{"role": "user", "content": "Hi"}], "frequency_penalty": 0.5}, "frequency_penalty"),
     ("an unknown field", "/v1/completions", {"prompt": "Hi", "temprature": 0}, "temprature"),
     ("a stop that is a number", "/v1/completions", {"prompt": "Hi", "stop": 5}, "stop"),
-    ("a prompt too long for the window", "/v1/completions", {"prompt": TOO_LONG, "max_tokens": 1}, None),
+    ("a prompt too long for the window", "/v1/completions", {"prompt": TOO_LONG, "max_tokens": 1}, "prompt"),
     ("a chat too long for the window", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": TOO_LONG}], "max_tokens": 1}, None),
+     {"messages": [{"role": "user", "content": TOO_LONG}], "max_tokens": 1}, "messages"),
+    ("logprobs 0: the sampled tokens' own", "/v1/completions", {"prompt": "Hi", "logprobs": 0}, "logprobs"),
+    ("a lone surrogate in a prompt", "/v1/completions", {"prompt": "Hi \ud800"}, "prompt"),
+    ("a lone surrogate in a message", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "\udfff"}]}, "messages[1]"),
+    ("a lone surrogate in a stop", "/v1/completions", {"prompt": "Hi", "stop": ["\ud800"]}, "stop"),
+    ("a lone surrogate in a field's name", "/v1/completions", {"prompt": "Hi", "\ud800": 1}, None),
+    ("a cache_salt that is not a string", "/v1/completions", {"prompt": "Hi", "cache_salt": 5}, "cache_salt"),
     ("a message without a role", "/v1/chat/completions", {"messages": [{"content": "Hi"}]}, "messages[0]"),
     ("no messages", "/v1/chat/completions", {"messages": []}, "messages"),
     ("a message with a name", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "name": "W"}]},
@@ -327,7 +351,7 @@ def test_a_stop_takes_no_new_request_and_finishes_the_streams_in_flight_first(pa
 def serve_process():
     """`python -m engines.serve --port 0 --eager` started (compiling the shipped model's steps would take minutes; the
     compiled engine's tokens are test_serving_engine's), and (process, its base URL) once it says it is ready."""
-    process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--rows", "2", "--eager"], cwd=ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "engines.serve", "--port", "0", "--rows", "2", "--eager"], cwd=ROOT,
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         ready = process.stdout.readline()  # the one line it prints once it listens (a hang guard: the pytest run)

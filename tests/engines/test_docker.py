@@ -56,6 +56,6 @@ def test_dockerignore_lets_in_every_tracked_file_but_the_repos_own_leftovers():
 def test_readme_gives_the_docker_lines_and_serving_beyond_loopback_asks_for_a_key():
     readme = read("README.md")
     for line in ("docker build -t tiny-gpt .", "docker run --rm --gpus all tiny-gpt python prefill_clone.py --device cuda",
-                 "docker build --target serve -t tiny-gpt-serve .", "docker run --rm --gpus all -p 8000:8000 tiny-gpt-serve",
-                 "python -m engines.serve --host 0.0.0.0 --device cuda --dtype bfloat16 --api-key KEY"):
+                 "docker build --target serve -t tiny-gpt-serve .", "docker run --rm --gpus all -p 8000:8000 -e TINY_GPT_API_KEY tiny-gpt-serve",
+                 "python -m engines.serve --host 0.0.0.0 --device cuda --dtype bfloat16"):
         assert line in readme, line

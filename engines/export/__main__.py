@@ -33,7 +33,7 @@ from engines.edge.errors import BadValue
 
 def main():
     if importlib.util.find_spec("transformers") is None:  # the whole export reads and writes through it
-        raise BadValue("export.py needs transformers; pip install -r engines/requirements.txt")
+        raise BadValue("python -m engines.export needs transformers; pip install -r engines/requirements.txt")
     from engines.export.export import main as export
     export()
 

@@ -1,39 +1,24 @@
 """engines/edge/cli.py: nothing lost, nothing read forever, one line for every refusal, progress that suits its reader."""
 import errno
-import functools
+import glob
 import hashlib
 import io
 import os
-import re
-import resource
-import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
 
-from engines.edge.checks import check_knobs
-
-import bench
 import bpe as bpe_module
-import cached
-from engines.edge import checkpoint
-from engines.edge import cli
-from engines.edge import files
-import model
-import sampling
-from series import train as train_module
 from bpe import BPE
+from engines.edge import checkpoint, cli, files
+from engines.edge.checks import check_knobs
 from engines.edge.cli import run_cli, show_progress
-from engines.edge.files import atomic_write, check_input, check_output
 from engines.edge.errors import BadPath, BadValue
-from helpers import (CORPUS, ROOT, RUN_FILES, TEXT, TINY, TOKENIZER, assert_refused, copy_run, exit_status, run_main,
-                     small_and_fast, train)
-
+from engines.edge.files import atomic_write, check_input, check_output
+from helpers import ROOT, assert_refused, exit_status, run_main
 
 
 def sha(path):
@@ -209,36 +194,6 @@ def test_an_oserror_of_main_itself_is_not_said_as_stdouts(monkeypatch):
     assert exit.value.code == "prog.py: error: cannot write out.pt: No space left on device; nothing was written there"
 
 
-@pytest.mark.parametrize("script, stdout", [("model.py", "full"), ("sampling.py", "closed")])
-def test_a_full_or_closed_stdout_ends_without_exception_ignored(script, stdout):
-    """A new interpreter: what the flush at exit says is the subject."""
-    target = open("/dev/full", "w") if stdout == "full" else subprocess.PIPE
-    proc = subprocess.Popen([sys.executable, script], cwd=ROOT, stdout=target, stderr=subprocess.PIPE, text=True)
-    if stdout == "closed":
-        proc.stdout.close()
-    err = proc.stderr.read()
-    proc.wait()
-    if stdout == "full":
-        target.close()
-        assert (proc.returncode, err) == (1, f"{script}: error: cannot write to standard output: "
-                                             "No space left on device\n")
-    else:
-        assert (proc.returncode, err) == (141, "")
-
-
-@pytest.mark.parametrize("script, says", [(model, "5,781,504"), (sampling, "self-check passed")],
-                         ids=["model.py", "sampling.py"])
-def test_a_self_checking_script_runs_its_check_help_skips_it_a_bad_flag_is_one_line(script, says, monkeypatch,
-                                                                                   capsys):
-    name = os.path.basename(script.__file__)  # model.py prints the post's parameter budget; sampling.py checks pick
-    status, out, err = run_main(script.main, [name], monkeypatch, capsys)
-    assert status == 0 and says in out, err
-    status, out, _ = run_main(script.main, [name, "--help"], monkeypatch, capsys)
-    assert status == 0 and out.startswith(f"usage: {name}") and says not in out
-    assert_refused(run_main(script.main, [name, "--stpes", "3"], monkeypatch, capsys),
-                   f"{name}: error: unrecognized arguments: --stpes 3 (see --help)")
-
-
 def test_run_cli_says_bad_input_in_one_line_and_a_bug_keeps_its_traceback(monkeypatch):
     def refusing():
         raise BadValue("--tokens must be at least 1, got 0")
@@ -254,17 +209,17 @@ def test_no_exception_hook_is_installed_by_importing_the_edge():
     assert sys.excepthook is sys.__excepthook__
 
 
-def test_a_script_started_with_standard_output_closed_says_so_in_one_line():
+def test_an_entry_point_started_with_standard_output_closed_says_so_in_one_line():
     """A new interpreter: a standard output closed before it starts (>&-) is the subject. run_cli says it, and
-    every script runs its main through run_cli."""
-    run = subprocess.run(f"{sys.executable} cached.py --help >&-", shell=True, cwd=ROOT, capture_output=True, text=True)
-    assert (run.returncode, run.stderr) == (1, "cached.py: error: cannot write to standard output: it is closed; "
+    every entry point of engines/ runs its main through run_cli."""
+    run = subprocess.run(f"{sys.executable} -m engines.export --help >&-", shell=True, cwd=ROOT, capture_output=True,
+                         text=True)
+    assert (run.returncode, run.stderr) == (1, "export: error: cannot write to standard output: it is closed; "
                                                "give it a place (> FILE, or a terminal)\n")
-    scripts = [name for name in os.listdir(ROOT) if name.endswith(".py")]
-    sources = {name: open(os.path.join(ROOT, name)).read() for name in scripts}
-    mains = [name for name, source in sources.items() if "\ndef main(" in source]
-    assert "model.py" in mains and "prefill_clone.py" in mains
-    assert [name for name in mains if not sources[name].rstrip().endswith("run_cli(main)")] == []
+    sources = {path: open(path).read() for path in glob.glob(os.path.join(ROOT, "engines", "**", "*.py"), recursive=True)}
+    entry_points = [path for path, source in sources.items() if '\nif __name__ == "__main__":' in source]
+    assert os.path.join(ROOT, "engines", "serve.py") in entry_points
+    assert [path for path in entry_points if not sources[path].rstrip().endswith("run_cli(main)")] == []
 
 
 def test_sigterm_mid_write_removes_the_temporary_file_and_ends_in_one_line(tmp_path):
@@ -326,208 +281,6 @@ def test_progress_redraws_a_terminal_a_few_times_a_second_and_a_log_every_ten(mo
         assert (writes > 0) == (seconds > cli.LOG_EVERY)
 
 
-def test_cached_py_logs_a_plain_progress_line_every_ten_seconds_at_most(monkeypatch, capsys):
-    """Time is the test's: each reading of the clock moves it on a second, however fast the machine is."""
-    clock, log = Clock(), io.StringIO()
-    log.isatty = lambda: False
-
-    def tick():
-        clock.now += 1.0
-        return clock.now
-    monkeypatch.setattr(cli.time, "time", tick)
-    monkeypatch.setattr(sys, "stderr", log)
-    monkeypatch.setattr(sys, "argv", ["cached.py", "--tokens", "60"])
-    started = clock.now
-    cached.main()
-    assert "identical" in capsys.readouterr().out
-    lines = log.getvalue().splitlines()
-    assert lines and all(re.fullmatch(r"(un)?cached tokens: \d+/60, ETA \d+s", line) for line in lines)
-    assert len(lines) <= (clock.now - started) / cli.LOG_EVERY and "\r" not in log.getvalue()
-
-
-# Nothing lost, for every script that writes a file: bpe.py, train.py, bench.py (export.py: tests/engines/test_export.py)
-
-def state(path):
-    """What stands at `path`, to compare before and after: a link and where it points, a pipe, a file's bytes."""
-    if not os.path.lexists(path):
-        return None
-    if os.path.islink(path):
-        return "link", os.readlink(path), state(os.path.realpath(path)) if os.path.isfile(path) else None
-    if stat.S_ISFIFO(os.lstat(path).st_mode):
-        return "fifo"
-    if os.path.isdir(path):
-        return "folder", sorted(os.listdir(path))
-    return "file", sha(path)
-
-
-OUTPUT = {"bpe.py": "tok.json", "train.py": "run.pt", "bench.py": "bench.json"}
-
-
-def run_writer(script, tmp_path, *flags, monkeypatch, capsys, during=lambda: None, ids_from=None):
-    """`script` in-process in tmp_path, writing OUTPUT[script] there; `during` runs once its work has begun.
-    train.py takes its corpus's token ids from the run in `ids_from` (no "tokenized" line) when given."""
-    monkeypatch.chdir(tmp_path)
-    if script == "train.py":
-        if ids_from and not (tmp_path / "data").exists():
-            copy_run(ids_from, tmp_path, ["data"])
-        real_evaluate = train_module.evaluate
-        monkeypatch.setattr(train_module, "evaluate", lambda *args: (during(), real_evaluate(*args))[1])
-        return train(tmp_path, *TINY, *flags, monkeypatch=monkeypatch, capsys=capsys)
-    if script == "bpe.py":
-        (tmp_path / "corpus.txt").write_text(TEXT)
-        real_train = BPE.train
-        monkeypatch.setattr(BPE, "train", lambda *args, **kwargs: (during(), real_train(*args, **kwargs))[1])
-        argv, main = ["bpe.py", "corpus.txt", "--vocab", "300", "--out", "tok.json"], bpe_module.main
-    else:
-        # what is tested is the writing of bench.json: the model and the bandwidth it measures
-        # first (a second's work) are not what table 1 needs
-        monkeypatch.setattr(bench, "untrained_model", lambda device: None)
-        monkeypatch.setattr(bench, "read_bandwidth", lambda device: 1e10)
-        monkeypatch.setattr(bench, "table_memory", lambda device, out: during())
-        argv, main = ["bench.py", "cpu", "--tables", "1", "--json", "bench.json"], bench.main
-    return run_main(main, [*argv, *flags], monkeypatch, capsys)
-
-
-def no_temporary_files(tmp_path):
-    return not [name for _, _, names in os.walk(tmp_path) for name in names if ".tmp" in name or ".probe-" in name]
-
-
-NOT_FILES = {
-    "fifo": lambda path: os.mkfifo(path),
-    "link to /dev/null": lambda path: os.symlink("/dev/null", path),  # what bench.py --json /dev/null --force was
-    "link to a fifo": lambda path: (os.mkfifo(f"{path}.fifo"), os.symlink(f"{path}.fifo", path)),
-    "folder": lambda path: os.mkdir(path),
-}
-
-
-@pytest.mark.parametrize("when", ["before", "during"])
-@pytest.mark.parametrize("kind", NOT_FILES)
-@pytest.mark.parametrize("script", OUTPUT)
-def test_only_regular_files_are_ever_replaced_whatever_the_flags(script, kind, when, tmp_path, finished, monkeypatch,
-                                                                 capsys, shipped_unchanged):
-    target = tmp_path / OUTPUT[script]
-    make = functools.partial(NOT_FILES[kind], target)
-    if when == "before":
-        make()
-    before = {when: None} if when == "during" else {when: state(target)}
-    status, out, err = run_writer(script, tmp_path, "--force", monkeypatch=monkeypatch, capsys=capsys,
-                                  during=make if when == "during" else lambda: None, ids_from=finished)
-    assert_refused((status, out, err), "folder" if kind == "folder" else "is not a regular file")
-    assert "wrote" not in out and state(target) == (before[when] or state(target)) and no_temporary_files(tmp_path)
-    assert not os.path.isfile(target) or os.path.islink(target)
-
-
-APPEARING = {
-    "a file": lambda path: path.write_text("a user's own file"),
-    "a link to a file": lambda path: (path.with_suffix(".kept").write_text("kept"),
-                                      path.symlink_to(path.with_suffix(".kept"))),
-    "a dangling link": lambda path: path.symlink_to("nowhere"),
-}
-
-
-@pytest.mark.parametrize("kind", APPEARING)
-@pytest.mark.parametrize("script", OUTPUT)
-def test_what_appears_at_an_output_during_the_run_is_never_replaced_without_force(
-        script, kind, tmp_path, finished, monkeypatch, capsys, shipped_unchanged):
-    target = tmp_path / OUTPUT[script]
-    made = []
-    run = run_writer(script, tmp_path, monkeypatch=monkeypatch, capsys=capsys,
-                     during=lambda: (APPEARING[kind](target), made.append(state(target))), ids_from=finished)
-    assert_refused(run, f"{OUTPUT[script]} appeared while this ran and is left as it was")
-    assert state(target) == made[0] and no_temporary_files(tmp_path)
-
-
-def raise_(error):
-    raise error
-
-
-@pytest.mark.parametrize("script, args, victim", [
-    ("bpe.py", ["corpus.txt", "--out", "corpus.txt"], "corpus.txt"),
-    ("bpe.py", ["corpus.txt", "--out", "hard-link.txt"], "corpus.txt"),
-    ("bpe.py", ["corpus.txt", "--out", "link.txt"], "corpus.txt"),
-    ("train.py", ["--corpus", "run.csv", "--out", "run"], "run.csv"),  # a corpus named like the run's log
-    ("train.py", ["--corpus", "corpus.txt", "--tokenizer", "run.pt", "--out", "run"], "run.pt"),
-], ids=["bpe-corpus-as-out", "bpe-hard-link-to-corpus", "bpe-link-to-corpus", "train-corpus-as-log",
-        "train-tokenizer-as-checkpoint"])
-def test_force_never_overwrites_the_scripts_own_input(script, args, victim, tmp_path, monkeypatch, capsys,
-                                                      shipped_unchanged):
-    corpus = CORPUS if script == "train.py" else TEXT
-    (tmp_path / "corpus.txt").write_text(corpus)
-    shutil.copy(TOKENIZER, tmp_path / "run.pt")
-    (tmp_path / "run.csv").write_text(corpus)
-    os.link(tmp_path / "corpus.txt", tmp_path / "hard-link.txt")
-    (tmp_path / "link.txt").symlink_to("corpus.txt")
-    before = {name: state(tmp_path / name) for name in os.listdir(tmp_path)}
-    monkeypatch.chdir(tmp_path)
-    if script == "train.py":
-        small_and_fast(monkeypatch)
-        args = [*args, *TINY] + ([] if "--tokenizer" in args else ["--tokenizer", TOKENIZER])
-    main = train_module.main if script == "train.py" else bpe_module.main
-    run = run_main(main, [script, *args, "--force"], monkeypatch, capsys)
-    assert_refused(run, "which this run reads; give another name")
-    assert victim in run[2]
-    assert {name: state(tmp_path / name) for name in before} == before and no_temporary_files(tmp_path)
-
-
-def file_size_limit(limit, undo):
-    """`ulimit -f` for the test's own process, from now until undo() puts it back."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    undo.append(lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard)))
-
-
-def full_disk(monkeypatch):
-    """Every temporary file a write goes through is /dev/full: each write fails with ENOSPC."""
-    real_mkstemp = tempfile.mkstemp
-
-    def mkstemp(*args, **kwargs):
-        fd, path = real_mkstemp(*args, **kwargs)
-        full = os.open("/dev/full", os.O_WRONLY)
-        os.dup2(full, fd)
-        os.close(full)
-        return fd, path
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
-
-
-@pytest.mark.parametrize("script, victim, limit", [
-    ("bpe.py", "tok.json", "ulimit -f"),  # json.dump
-    ("bpe.py", "tok.json", "full disk"),
-    ("bench.py", "bench.json", "ulimit -f"),
-    ("bench.py", "bench.json", "full disk"),
-    ("train.py", "run.pt", "ulimit -f"),  # torch.save: the CSV log fits, the checkpoint does not
-    ("train.py", "run.csv", "full disk"),
-    ("train.py", "data", "ulimit -f"),  # np.save of the token ids
-], ids=lambda v: str(v))
-def test_a_full_disk_or_a_file_size_limit_is_one_line_and_leaves_the_old_file(
-        script, victim, limit, tmp_path, finished, monkeypatch, capsys, shipped_unchanged):
-    if not os.path.exists("/dev/full") and limit == "full disk":
-        pytest.skip("no /dev/full here")
-    if script == "train.py":
-        kept = [n for n in ("corpus.txt", *RUN_FILES, "data") if (finished / n).exists()]  # no resume file
-        copy_run(finished, tmp_path, [n for n in kept if n != "data" or victim != "data"])
-    else:
-        (tmp_path / OUTPUT[script]).write_text('{"an": "earlier file"}')
-    before = {name: state(tmp_path / name) for name in os.listdir(tmp_path)}
-    undo = []
-    if limit == "full disk":
-        full_disk(monkeypatch)
-    elif victim == "data":  # tokenizing comes before the work run_writer can hook
-        file_size_limit(1000, undo)
-    fits = 10_000 if script == "train.py" else 100  # train.py: the CSV log fits, the checkpoint does not
-    try:
-        run = run_writer(script, tmp_path, "--force", monkeypatch=monkeypatch, capsys=capsys,
-                         during=lambda: limit == "ulimit -f" and not undo and file_size_limit(fits, undo))
-    finally:
-        for put_back in undo:
-            put_back()
-    assert_refused(run, f"error: cannot write {victim}")
-    if victim != "data":  # numpy's short write says only how many bytes it wrote
-        reason = "File too large" if limit == "ulimit -f" else "No space left on device"
-        assert f": {reason}; nothing was written there" in run[2]
-    # the old file is as it was; the id cache's folder is made, and left empty
-    assert no_temporary_files(tmp_path) and state(tmp_path / victim) == before.get(victim, ("folder", []))
-
-
 def test_what_check_output_accepts_atomic_write_can_write(tmp_path):
     path = tmp_path / ("n" * 250)  # a legal name whose temporary, named after all of it, would not be
     check_output(path)
@@ -539,11 +292,11 @@ def test_what_check_output_accepts_atomic_write_can_write(tmp_path):
 def test_export_without_transformers_names_the_requirements_file_in_one_line(monkeypatch, capsys):
     import importlib.util
 
-    import export
+    from engines.export import __main__ as export
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
-    assert_refused(run_main(export.main, ["export.py"], monkeypatch, capsys),
-                   "export.py: error: export.py needs transformers; pip install -r engines/requirements.txt")
+    assert_refused(run_main(export.main, ["export"], monkeypatch, capsys),
+                   "export: error: python -m engines.export needs transformers; pip install -r engines/requirements.txt")
 
 
 @pytest.mark.parametrize("knobs, message", [

@@ -9,29 +9,31 @@ NAME.csv and the best-val model to NAME.pt, in Part 3's checkpoint format
 plus a record of the tokenizer it was trained with. NAME.resume.pt holds
 what a cut-short run needs to go on with --resume, and which run it is: a
 resume with another corpus, tokenizer or setting is refused. A run that
-finishes removes it. A loss that is not finite stops the run.
+finishes removes it. A loss that is not finite stops the run. Every file is
+written through a temporary file and a rename, and an existing one is
+replaced only with --force or --resume.
 """
+import argparse
+import contextlib
 import csv
 import hashlib
 import math
 import os
+import signal
 import sys
+import tempfile
 import time
-
-from engines.edge.cli import Parser, device_from, run_cli, show_progress
-from engines.edge.files import atomic_write, check_input, check_output, shown
-from engines.edge.errors import BadPath, BadValue
+import zipfile
 
 import numpy as np
 import torch
 
 from bpe import BPE, read_corpus
-from engines.edge.checkpoint import check_archive, save_checkpoint
 from model import GPT, Config
 
 BATCH = 32
 CACHE_DIR = "data"
-MAX_RESUME_BYTES = 2**30  # Part 3's model with AdamW's two moments takes about 70 MB
+COLUMNS = ["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"]
 
 
 def is_number(value):
@@ -49,21 +51,65 @@ RESUME_KINDS = {  # what a resume file holds: each key's kind, and the test of i
 }
 
 
+@contextlib.contextmanager
+def atomic_write(path, replace, mode="wb", **open_args):
+    """Write `path` through a temporary file beside it, then put that in place: a cut write leaves the old file
+    whole. Without `replace` it is linked into place, and os.link never replaces a file that appeared meanwhile."""
+    f = tempfile.NamedTemporaryFile(mode, dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp", delete=False,
+                                    **open_args)
+    try:
+        with f:
+            yield f
+        (os.replace if replace else os.link)(f.name, path)
+    finally:
+        if os.path.exists(f.name):
+            os.unlink(f.name)
+
+
+def check_folder(folder):
+    """A folder this run can make files in, tried by making one (the test that also holds for root)."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise ValueError(f"cannot write files in {folder!r}: {e.strerror}") from None
+
+
+def check_outputs(name, replace, inputs):
+    """Before any long work: NAME.pt, NAME.csv and NAME.resume.pt can be written, one that exists is replaced
+    only when told (`replace`: --force or --resume), and never one of the run's `inputs`."""
+    if not os.path.basename(name):
+        raise ValueError(f"--out {name!r} names no run; give a name like holmes or runs/holmes")
+    paths = [f"{name}.pt", f"{name}.csv", f"{name}.resume.pt"]
+    for path in paths:
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # a name longer than the folder holds
+            raise ValueError(f"cannot write {path!r}: {e.strerror}; give a shorter --out") from None
+        if any(os.path.exists(given) and os.path.exists(path) and os.path.samefile(given, path) for given in inputs):
+            raise ValueError(f"--out {name!r} would write {path!r}, which this run reads; give another name")
+        if os.path.exists(path) and not os.path.isfile(path):  # whatever the flags: replacing it would lose it
+            raise ValueError(f"cannot write {path!r}: it is not a regular file (a folder, a pipe, a device or a link "
+                             "to one); give another --out")
+        if not replace:
+            cut = f", or --resume to go on from the cut-short run in {paths[2]!r}" if os.path.lexists(paths[2]) else ""
+            raise ValueError(f"{path!r} already exists; pass --force to replace it, or --out NAME for a new run{cut}")
+    check_folder(os.path.dirname(name) or ".")
+
+
 def cache_path(corpus_sha, tokenizer_sha):
     """data/ids-KEY.npy for this corpus and these merges; if it is not there yet, its folder is
-    made and checked writable, so a run never tokenizes for nothing."""
+    made and tried, so a run never tokenizes for nothing."""
     key = hashlib.sha256(f"{corpus_sha} {tokenizer_sha}".encode()).hexdigest()[:16]
     path = os.path.join(CACHE_DIR, f"ids-{key}.npy")
     if os.path.isfile(path):
         return path
     if os.path.lexists(CACHE_DIR) and not os.path.isdir(CACHE_DIR):
-        raise BadValue(f"{CACHE_DIR} is not a folder, but train.py caches token ids in {CACHE_DIR}/; move it away")
-    try:
-        os.makedirs(CACHE_DIR, exist_ok=True)
-    except OSError as e:
-        raise BadPath(f"cannot create the id cache folder {CACHE_DIR}/ ({e.strerror}); "
-                      "run train.py in a folder it may write") from None
-    return check_output(path, force=True)
+        raise ValueError(f"{CACHE_DIR!r} is not a folder, but train.py caches token ids in {CACHE_DIR}/; move it away")
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    check_folder(CACHE_DIR)
+    return path
 
 
 def load_ids(text, tokenizer, cache, corpus, needed):
@@ -78,7 +124,7 @@ def load_ids(text, tokenizer, cache, corpus, needed):
         too_few(corpus, f"{len(ids):,} tokens", needed)
     if os.path.isfile(cache):
         return ids
-    with atomic_write(cache, force=True) as f:  # what may stand there is the same ids, cached by another run
+    with atomic_write(cache, replace=True) as f:  # what may stand there is the same ids, cached by another run
         np.save(f, ids)
     print(f"tokenized {len(text.encode()):,} bytes into {len(ids):,} tokens in {time.time() - t0:.1f}s",
           file=sys.stderr)
@@ -86,8 +132,8 @@ def load_ids(text, tokenizer, cache, corpus, needed):
 
 
 def too_few(corpus, size, needed):
-    raise BadValue(f"corpus {shown(corpus)} gives {size}; at least {needed:,} tokens are needed for the last 10% to "
-                   "hold one validation window; give a longer text")
+    raise ValueError(f"corpus {corpus!r} gives {size}; at least {needed:,} tokens are needed for the last 10% to "
+                     "hold one validation window; give a longer text")
 
 
 def read_ids(cache, vocab_size):
@@ -96,12 +142,12 @@ def read_ids(cache, vocab_size):
     try:
         ids = np.load(cache, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
-        raise BadValue(f"the token id cache {shown(cache)} cannot be read ({e}); {way_on}") from None
+        raise ValueError(f"the token id cache {cache} cannot be read ({e}); {way_on}") from None
     if ids.dtype != np.uint16 or ids.ndim != 1:
-        raise BadValue(f"the token id cache {shown(cache)} holds {ids.dtype} of shape {ids.shape}, not a row "
+        raise ValueError(f"the token id cache {cache} holds {ids.dtype} of shape {ids.shape}, not a row "
                          f"of uint16 ids; {way_on}")
     if len(ids) and int(ids.max()) >= vocab_size:
-        raise BadValue(f"the token id cache {shown(cache)} holds id {int(ids.max())}, outside the tokenizer's "
+        raise ValueError(f"the token id cache {cache} holds id {int(ids.max())}, outside the tokenizer's "
                          f"0..{vocab_size - 1}; {way_on}")
     return ids
 
@@ -137,10 +183,12 @@ def evaluate(model, splits, context, n_batches, device, autocast):
     return means
 
 
-def write_csv(path, rows, force):
-    """The whole log, through a temporary file and a rename: a cut write leaves the old log whole."""
-    with atomic_write(path, "w", force=force, newline="") as f:
-        csv.writer(f).writerows([["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"], *rows])
+def save_checkpoint(model, path, step, tokenizer, replace):
+    """Part 3's checkpoint {"model", "config", "step"}, and the record of the tokenizer beside the config,
+    where Part 3's loader (Config(**ckpt["config"])) never looks."""
+    config = {k: v for k, v in vars(model.cfg).items() if k != "n_kv_heads"}  # Part 3's six fields
+    with atomic_write(path, replace) as f:
+        torch.save({"model": model.state_dict(), "config": config, "step": step, "tokenizer": tokenizer}, f)
 
 
 def read_resume(name, device):
@@ -152,47 +200,32 @@ def read_resume(name, device):
         instead = "start without --resume"
         if os.path.lexists(f"{name}.pt"):
             instead = f"to train again, pass --force instead of --resume to replace {name}.pt, or --out NAME"
-        raise BadValue(f"--resume: there is no cut-short run to go on from ({shown(path)} not found; a run that "
+        raise ValueError(f"--resume: there is no cut-short run to go on from ({path!r} not found; a run that "
                          f"finishes removes it); {instead}")
-    for p in (path, log):
-        check_input(p, "--resume:", MAX_RESUME_BYTES, "start without --resume")
-    try:
-        check_archive(path)  # its checksums, and no compressed entry that could inflate to any size
-    except ValueError as e:
-        raise BadValue(f"--resume: {e}; start again without --resume") from None
-    try:
+    try:  # torch checks no checksum (a flipped bit would load), and a compressed entry could inflate to any size
+        with zipfile.ZipFile(path) as archive:
+            if any(entry.compress_type != zipfile.ZIP_STORED for entry in archive.infolist()):
+                raise ValueError("an entry is compressed, which torch.save never does")
+            if archive.testzip():
+                raise ValueError("an entry fails its checksum")
         state = torch.load(path, map_location=device, weights_only=True)
         with open(log, newline="") as f:
             rows = list(csv.reader(f))[1:]
     except Exception as e:
-        raise BadValue(f"--resume: {shown(path)} or its CSV log cannot be read ({type(e).__name__}); "
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"--resume: {path!r} or its log cannot be read ({reason}); "
                          "start again without --resume") from None
     missing = [k for k in RESUME_KINDS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise BadValue(f"--resume: {shown(path)} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
+        raise ValueError(f"--resume: {path!r} lacks {missing[0]!r} (an older train.py's, or not a resume file); "
                          "start again without --resume")
-    check_resume_values(state, path)
-    if not all(row and row[0].isdigit() for row in rows):
-        raise BadValue(f"--resume: {log} has a row that does not start with a step; start again without --resume")
-    return state, [row for row in rows if int(row[0]) <= state["step"]]
-
-
-def check_resume_values(state, path):
-    """Each value a resume file holds is of the kind train.py wrote, named where it is not."""
     for key, (kind, ok) in RESUME_KINDS.items():
         if not ok(state[key]):
-            raise BadValue(f"--resume: {shown(path)} holds {key!r} = {repr(state[key])[:40]}, not {kind}; "
+            raise ValueError(f"--resume: {path!r} holds {key!r} = {repr(state[key])[:40]}, not {kind}; "
                              "start again without --resume")
-
-
-def check_outputs(name, force, resume, inputs):
-    """NAME.pt, NAME.csv and NAME.resume.pt can be written (and are none of the run's inputs); one that
-    exists is replaced only with --force or --resume, and the refusal names every way on."""
-    paths = [check_output(path, force=True, inputs=inputs) for path in (f"{name}.pt", f"{name}.csv", f"{name}.resume.pt")]
-    existing = next((path for path in paths if os.path.lexists(path)), None)
-    if existing and not (force or resume):
-        cut = f", or --resume to go on from the cut-short run in {paths[2]}" if os.path.lexists(paths[2]) else ""
-        raise BadValue(f"{existing} already exists; pass --force to replace it, or --out NAME for a new run{cut}")
+    if not all(row and row[0].isdigit() for row in rows):
+        raise ValueError(f"--resume: {log!r} has a row that does not start with a step; start again without --resume")
+    return state, [row for row in rows if int(row[0]) <= state["step"]]
 
 
 def check_same_run(here, then, args):
@@ -202,9 +235,9 @@ def check_same_run(here, then, args):
             continue
         if flag in ("--corpus", "--tokenizer"):
             path = args.corpus if flag == "--corpus" else args.tokenizer
-            raise BadValue(f"--resume: {flag} {shown(path)} is not the file the run being resumed used (its sha256 "
+            raise ValueError(f"--resume: {flag} {path!r} is not the file the run being resumed used (its sha256 "
                              f"differs); pass that file, or start again without --resume")
-        raise BadValue(f"--resume: {flag} is {value} here but the run being resumed used {then.get(flag)}; "
+        raise ValueError(f"--resume: {flag} is {value} here but the run being resumed used {then.get(flag)}; "
                          "pass the same, or start again without --resume")
 
 
@@ -215,16 +248,23 @@ def random_states(device):
 
 def check_loss(loss, what, step):
     if not math.isfinite(loss):
-        raise BadValue(f"{what} is {loss} at step {step}, so the run stops there; try a smaller --lr")
+        raise ValueError(f"{what} is {loss} at step {step}, so the run stops there; try a smaller --lr")
+
+
+def show_progress(done, total, note=""):
+    """Step `done` of `total` on one stderr line, redrawn in a terminal (nowhere else); done == total clears it."""
+    if sys.stderr.isatty():
+        line = f"step {done:,}/{total:,}, {note}" if done < total else ""
+        print(f"\r{line[:78]:<79}\r", end="", file=sys.stderr, flush=True)
 
 
 def log_line(text):
-    """A plain line on stderr; in a terminal it first overwrites the progress line."""
-    print(f"\r{text:<79}" if sys.stderr.isatty() else text, file=sys.stderr)
+    """A plain line on stderr; in a terminal it overwrites the progress line."""
+    print(f"{text:<79}" if sys.stderr.isatty() else text, file=sys.stderr)
 
 
 def main():
-    ap = Parser(description="Train the Part 3 GPT on a text corpus.")
+    ap = argparse.ArgumentParser(description="Train the Part 3 GPT on a text corpus.")
     ap.add_argument("--corpus", required=True, help="UTF-8 text file")
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--steps", type=int, default=1500)
@@ -232,21 +272,31 @@ def main():
     ap.add_argument("--out", default="holmes", help="writes NAME.pt, NAME.csv, NAME.resume.pt (removed when done)")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-batches", type=int, default=20)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast on the CPU too (CUDA always uses it)")
     ap.add_argument("--resume", action="store_true", help="go on from NAME.resume.pt, with the same arguments")
     ap.add_argument("--force", action="store_true", help="replace an existing NAME.pt, NAME.csv and NAME.resume.pt")
     args = ap.parse_args()
-    for flag in ("steps", "eval_every", "eval_batches"):
-        if getattr(args, flag) < 1:
-            raise BadValue(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if min(args.steps, args.eval_every, args.eval_batches) < 1:
+        ap.error("--steps, --eval-every and --eval-batches must be at least 1")
     if not (math.isfinite(args.lr) and args.lr > 0):
-        raise BadValue(f"--lr must be a finite number above 0, got {args.lr}")
-    device = device_from(args.device)
+        ap.error(f"--lr must be a finite number above 0, got {args.lr}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA GPU here; use cpu")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` unwinds like Ctrl-C, removing temporary files
+    try:
+        train(args)
+    except (ValueError, OSError) as e:  # what the user gave: an argument, a file, a folder
+        sys.exit(f"train.py: error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("train.py: interrupted; nothing half-written was left behind")
+
+
+def train(args):
+    device = torch.device(args.device)
     name = args.out.removesuffix(".pt")
-    if not os.path.basename(name):
-        raise BadValue(f"--out {args.out!r} names no run; give a name like holmes or runs/holmes")
-    check_outputs(name, args.force, args.resume, inputs=[args.corpus, args.tokenizer])
+    resume_file = f"{name}.resume.pt"
+    check_outputs(name, args.force or args.resume, [args.corpus, args.tokenizer])
     use_bf16 = device.type == "cuda" or args.bf16
 
     def autocast():
@@ -256,11 +306,10 @@ def main():
     text = read_corpus(args.corpus, "pass --corpus PATH to a UTF-8 text file")
     tokenizer = BPE.load(args.tokenizer)
     if tokenizer.vocab_size != cfg.vocab_size:  # a smaller one too: every script refuses such a pair later
-        raise BadValue(f"tokenizer {shown(args.tokenizer)} has {tokenizer.vocab_size:,} tokens but the model's "
+        raise ValueError(f"tokenizer {args.tokenizer!r} has {tokenizer.vocab_size:,} tokens but the model's "
                          f"vocabulary is {cfg.vocab_size:,}; pass a tokenizer trained with --vocab {cfg.vocab_size}")
     corpus_sha, record = hashlib.sha256(text.encode()).hexdigest(), tokenizer.record()
-    tokenizer_sha = record["sha256"]
-    run = {"--corpus": corpus_sha, "--tokenizer": tokenizer_sha, "--lr": args.lr, "--steps": args.steps,
+    run = {"--corpus": corpus_sha, "--tokenizer": record["sha256"], "--lr": args.lr, "--steps": args.steps,
            "--eval-every": args.eval_every, "--eval-batches": args.eval_batches, "--bf16": args.bf16,
            "--device": str(device), "--out": name}
     resumed = read_resume(name, device) if args.resume else None
@@ -269,7 +318,7 @@ def main():
     needed = 10 * (cfg.context + 2)  # for the last 10% to hold one validation window of context + 1 tokens
     if len(text.encode()) < needed:  # a token is at least a byte: refused before anything is tokenized or cached
         too_few(args.corpus, f"{len(text.encode()):,} bytes", needed)
-    ids = load_ids(text, tokenizer, cache_path(corpus_sha, tokenizer_sha), args.corpus, needed)
+    ids = load_ids(text, tokenizer, cache_path(corpus_sha, record["sha256"]), args.corpus, needed)
     ids = torch.from_numpy(ids.astype(np.int64))
     split = int(0.9 * len(ids))
     train_ids, val_ids = ids[:split], ids[split:]
@@ -296,17 +345,16 @@ def main():
             for rng, key in random_states(device):
                 rng.set_rng_state(state[key].cpu())
         except Exception as e:
-            raise BadValue(f"--resume: {name}.resume.pt does not fit this run ({type(e).__name__})") from None
+            raise ValueError(f"--resume: {resume_file!r} does not fit this run ({type(e).__name__})") from None
         # the optimizer loads moments of any shape; the first step that used them would fail
         if any(moment.shape != p.shape for p, kept in opt.state.items()
                for moment in (kept.get("exp_avg"), kept.get("exp_avg_sq")) if moment is not None):
-            raise BadValue(f"--resume: {name}.resume.pt does not fit this run (its optimizer's moments are not "
+            raise ValueError(f"--resume: {resume_file!r} does not fit this run (its optimizer's moments are not "
                              "shaped as the weights); start again without --resume")
         start, best_val, elapsed = state["step"], state["best_val"], state["elapsed"]
         print(f"resuming at step {start} (best val {best_val:.3f})", file=sys.stderr)
 
     t0, tokens = time.time(), 0
-    label = f"steps after {start:,}" if start else "step"
     try:
         for step in range(start, args.steps):
             done = step + 1
@@ -323,20 +371,21 @@ def main():
             tokens += x.numel()
 
             tok_s = tokens / (time.time() - t0)
-            show_progress(label, done - start, args.steps - start, t0,
-                          note=f"loss {loss.item():.3f}, {tok_s:,.0f} tok/s")
+            eta = (time.time() - t0) / (done - start) * (args.steps - done)
+            show_progress(done, args.steps, f"loss {loss.item():.3f}, {tok_s:,.0f} tok/s, ETA {eta:,.0f}s")
             if done % args.eval_every == 0 or done == args.steps:
-                splits = (train_ids, val_ids)
-                train_loss, val_loss = evaluate(model, splits, cfg.context, args.eval_batches, device, autocast)
+                train_loss, val_loss = evaluate(model, (train_ids, val_ids), cfg.context, args.eval_batches, device,
+                                                autocast)
                 check_loss(train_loss, "the evaluated train loss", done)
                 check_loss(val_loss, "the val loss", done)
                 total_time = elapsed + time.time() - t0
                 rows.append([done, f"{train_loss:.4f}", f"{val_loss:.4f}", f"{tok_s:.0f}", f"{total_time:.1f}"])
-                write_csv(f"{name}.csv", rows, replace)
+                with atomic_write(f"{name}.csv", replace, "w", newline="") as f:  # the whole log, each time
+                    csv.writer(f).writerows([COLUMNS, *rows])
                 if val_loss < best_val:
                     best_val = val_loss
-                    save_checkpoint(model, f"{name}.pt", done, tokenizer=record, force=replace)
-                with atomic_write(f"{name}.resume.pt", force=replace) as f:
+                    save_checkpoint(model, f"{name}.pt", done, record, replace)
+                with atomic_write(resume_file, replace) as f:
                     torch.save({"run": run, "model": model.state_dict(), "optimizer": opt.state_dict(),
                                 "generator": gen.get_state(),
                                 **{key: rng.get_rng_state() for rng, key in random_states(device)},
@@ -345,12 +394,11 @@ def main():
                 log_line(f"step {done}: train {train_loss:.3f}  val {val_loss:.3f}  {tok_s:,.0f} tok/s  "
                          f"{total_time:.0f}s")
     finally:  # clears a drawn progress line, so that an error or the end line starts a line of its own
-        show_progress(label, args.steps - start, args.steps - start, t0)
-    # every loss was finite and the last step was evaluated, so NAME.pt holds the best of them, and
-    # nothing is left to resume
-    os.remove(f"{name}.resume.pt")
+        show_progress(args.steps, args.steps)
+    # every loss was finite and the last step was evaluated: NAME.pt holds the best, and nothing is left to resume
+    os.remove(resume_file)
     print(f"best val loss {best_val:.3f}; checkpoint {name}.pt, log {name}.csv", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    main()

@@ -14,15 +14,15 @@ import torch
 
 from series import train as train_module
 from bpe import BPE
-from engines.edge.files import check_output
-from engines.edge.checkpoint import load_checkpoint
+from cached import load
 from model import GPT
-from helpers import (CORPUS, INPUTS, ROOT, RUN_FILES, TINY, TOKENIZER, assert_refused, copy_run, in_process,
-                     run_main, sha256, small_and_fast, special_input, train)
+from helpers import (CORPUS, ROOT, RUN_FILES, TINY, TOKENIZER, assert_refused, copy_run, in_process, run_main, sha256,
+                     small_and_fast, special_input, train)
 from series.train import lr_at
 
+
 class Killed(BaseException):
-    """kill -9: nothing after it runs (not even run_cli's handling)."""
+    """kill -9: nothing after it runs (not even main's handling)."""
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def uncut(tmp_path_factory):
 
 
 def leftovers(tmp_path):
-    """Temporary or probe files anywhere under tmp_path."""
-    return [name for _, _, names in os.walk(tmp_path) for name in names if ".tmp" in name or ".probe-" in name]
+    """Temporary files anywhere under tmp_path."""
+    return [name for _, _, names in os.walk(tmp_path) for name in names if "tmp" in name]
 
 
 def test_schedule_warms_up_then_decays_to_a_tenth():
@@ -66,7 +66,7 @@ def test_a_run_writes_a_part3_checkpoint_its_tokenizer_record_and_a_csv(finished
     assert set(ckpt) == {"model", "config", "step", "tokenizer"} and ckpt["step"] == 1
     assert ckpt["tokenizer"] == BPE.load(TOKENIZER).record()
     assert set(ckpt["config"]) == {"vocab_size", "d_model", "n_heads", "n_layers", "context", "dropout"}
-    load_checkpoint(finished / "run.pt")
+    load(finished / "run.pt")  # as every script loads a checkpoint: weights_only, Part 3's Config, strict
     rows = list(csv.DictReader(open(finished / "run.csv")))
     assert [r["step"] for r in rows] == ["1"]
     assert list(rows[0]) == ["step", "train_loss", "val_loss", "tokens_per_sec", "elapsed_sec"]
@@ -83,10 +83,10 @@ def test_a_finished_run_removes_its_resume_file_and_a_cut_one_keeps_it(finished,
 def test_after_a_finished_run_each_refusal_names_a_way_on_that_works(tmp_path, finished, monkeypatch, capsys):
     copy_run(finished, tmp_path, ["corpus.txt", "data", "run.pt", "run.csv"])
     again = train(tmp_path, *TINY, monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(again, "train.py: error: run.pt already exists; pass --force to replace it, "
+    assert_refused(again, "train.py: error: 'run.pt' already exists; pass --force to replace it, "
                           "or --out NAME for a new run\n")
     resumed = train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(resumed, "train.py: error: --resume: there is no cut-short run to go on from (run.resume.pt not "
+    assert_refused(resumed, "train.py: error: --resume: there is no cut-short run to go on from ('run.resume.pt' not "
                             "found; a run that finishes removes it); to train again, pass --force instead of "
                             "--resume to replace run.pt, or --out NAME\n")
     assert train(tmp_path, *TINY, "--out", "second", monkeypatch=monkeypatch, capsys=capsys)[0] == 0
@@ -124,7 +124,7 @@ def test_a_run_cut_short_and_resumed_ends_exactly_where_an_uncut_run_ends(tmp_pa
     with monkeypatch.context() as m:
         cut(m)
         m.setattr("sys.argv", ["train.py", *args])
-        with pytest.raises((KeyboardInterrupt, Killed)):
+        with pytest.raises((SystemExit, Killed)):
             train_module.main()
     assert torch.load("run.resume.pt", weights_only=True)["step"] == 1
     monkeypatch.setattr("sys.argv", ["train.py", *args, "--resume"])
@@ -157,8 +157,8 @@ def renamed_run(tmp_path):
     (["--eval-every", "2"], None, "--eval-every is 2 here but the run being resumed used 250"),
     (["--eval-batches", "2"], None, "--eval-batches is 2 here but the run being resumed used 1"),
     (["--bf16"], None, "--bf16 is True here but the run being resumed used False"),
-    (["--corpus", "other.txt"], other_corpus, "--corpus other.txt is not the file the run being resumed used"),
-    (["--tokenizer", "small.json"], other_tokenizer, "--tokenizer small.json is not the file the run being resumed"),
+    (["--corpus", "other.txt"], other_corpus, "--corpus 'other.txt' is not the file the run being resumed used"),
+    (["--tokenizer", "small.json"], other_tokenizer, "--tokenizer 'small.json' is not the file the run being resumed"),
     (["--out", "renamed"], renamed_run, "--out is renamed here but the run being resumed used run"),
 ], ids=["lr", "steps", "eval-every", "eval-batches", "bf16", "corpus", "tokenizer", "out"])
 def test_a_resume_of_another_run_is_refused_naming_the_first_difference(
@@ -192,14 +192,10 @@ def nan_at_forward(n):
 
 
 @pytest.mark.parametrize("args, nan_from, message", [
-    (["--lr", "inf"], None, "--lr must be a finite number above 0, got inf"),
-    (["--lr", "nan"], None, "--lr must be a finite number above 0, got nan"),
-    (["--lr", "0"], None, "--lr must be a finite number above 0, got 0.0"),
-    (["--lr", "-0.001"], None, "--lr must be a finite number above 0, got -0.001"),
     (["--lr", "1e6"], None, "the evaluated train loss is nan at step 1, so the run stops there; try a smaller --lr"),
     (["--resume"], 1, "the loss is nan at step 2, so the run stops there"),
     (["--resume"], 3, "the val loss is nan at step 2, so the run stops there"),
-], ids=["inf", "nan", "zero", "negative", "diverges", "nan-loss-after-a-good-step", "nan-val-loss"])
+], ids=["diverges", "nan-loss-after-a-good-step", "nan-val-loss"])
 def test_a_loss_that_is_not_finite_stops_the_run_and_keeps_the_last_good_files(
         tmp_path, finished, args, nan_from, message, monkeypatch, capsys, shipped_unchanged):
     copy_run(finished, tmp_path, ["corpus.txt", "data"])  # ids cached: no "tokenized" line
@@ -241,14 +237,14 @@ def make(tmp_path, kind):
 @pytest.mark.parametrize("out, kind, message", [
     ("", None, "--out '' names no run"),
     ("runs/", None, "--out 'runs/' names no run"),
-    ("missing/run", None, "missing does not exist"),
-    ("/sys/run", None, "the folder /sys is not writable"),
-    ("run", "pt-folder", "cannot write run.pt: it is a folder"),
-    ("run", "run.csv-exists", "run.csv already exists; pass --force to replace it, or --out NAME for a new run\n"),
-    ("run", "run.resume.pt-exists", "run.resume.pt already exists; pass --force to replace it, or --out NAME for "
-                                    "a new run, or --resume to go on from the cut-short run in run.resume.pt\n"),
-    ("run", "data-file", "data is not a folder, but train.py caches token ids in data/; move it away"),
-    ("run", "data-read-only", "data is not writable"),
+    ("missing/run", None, "cannot write files in 'missing': No such file or directory"),
+    ("/sys/run", None, "cannot write files in '/sys': "),
+    ("run", "pt-folder", "cannot write 'run.pt': it is not a regular file (a folder, "),
+    ("run", "run.csv-exists", "'run.csv' already exists; pass --force to replace it, or --out NAME for a new run\n"),
+    ("run", "run.resume.pt-exists", "'run.resume.pt' already exists; pass --force to replace it, or --out NAME for "
+                                    "a new run, or --resume to go on from the cut-short run in 'run.resume.pt'\n"),
+    ("run", "data-file", "'data' is not a folder, but train.py caches token ids in data/; move it away"),
+    ("run", "data-read-only", "cannot write files in 'data': "),
 ], ids=["empty", "folder", "missing-folder", "read-only-folder", "pt-is-a-folder", "csv-exists", "resume-exists",
         "data-is-a-file", "data-read-only"])
 def test_an_output_that_cannot_or_must_not_be_written_is_refused_before_tokenizing(
@@ -263,18 +259,33 @@ def test_an_output_that_cannot_or_must_not_be_written_is_refused_before_tokenizi
     assert not leftovers(tmp_path)
 
 
+def test_a_file_that_appears_while_a_run_writes_is_never_replaced(tmp_path):
+    with pytest.raises(FileExistsError), train_module.atomic_write(tmp_path / "run.csv", False, "w") as f:
+        f.write("this run's log")
+        (tmp_path / "run.csv").write_text("someone's")
+    assert (tmp_path / "run.csv").read_text() == "someone's" and not leftovers(tmp_path)
+
+
+def test_force_never_replaces_a_file_the_run_reads(tmp_path, monkeypatch, capsys):
+    (tmp_path / "run.csv").write_text(CORPUS)  # a corpus named like the run's log
+    forbid_tokenizing(monkeypatch)
+    run = train(tmp_path, *TINY, "--corpus", "run.csv", "--force", monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, "would write 'run.csv', which this run reads; give another name")
+    assert (tmp_path / "run.csv").read_text() == CORPUS
+
+
 def test_the_shipped_run_is_never_replaced(monkeypatch, capsys, shipped_unchanged, tmp_path):
     (tmp_path / "corpus.txt").write_text(CORPUS)
     had_data = os.path.exists(os.path.join(ROOT, "data"))
     forbid_tokenizing(monkeypatch)
     monkeypatch.chdir(ROOT)
     run = run_main(train_module.main, ["train.py", "--corpus", tmp_path / "corpus.txt", *TINY], monkeypatch, capsys)
-    assert_refused(run, "holmes.pt already exists; pass --force")
+    assert_refused(run, "'holmes.pt' already exists; pass --force")
     assert os.path.exists(os.path.join(ROOT, "data")) == had_data
 
 
 def sigterm(*args, **kwargs):
-    """What `kill PID` does to a run: run_cli's handler turns it into KeyboardInterrupt right here."""
+    """What `kill PID` does to a run: main's handler turns it into KeyboardInterrupt right here."""
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(10)
     raise AssertionError("SIGTERM did not interrupt")
@@ -318,8 +329,7 @@ def test_sigterm_mid_run_leaves_no_temporary_file_and_one_line(tmp_path, killed_
         assert sha256(tmp_path / victim) == before[victim]
 
 
-def test_progress_goes_through_the_shared_line_and_evaluations_stay_plain_lines(tmp_path, finished, monkeypatch,
-                                                                                 capsys):
+def test_progress_is_one_terminal_line_and_evaluations_stay_plain_lines(tmp_path, finished, monkeypatch, capsys):
     copy_run(finished, tmp_path, ["corpus.txt", "data"])
     calls = []
     monkeypatch.setattr(train_module, "show_progress", lambda *args, **kwargs: calls.append((args, kwargs)))
@@ -329,28 +339,27 @@ def test_progress_goes_through_the_shared_line_and_evaluations_stay_plain_lines(
             "--eval-every", "2", "--eval-batches", "1"]
     status, _, err = run_main(train_module.main, argv, monkeypatch, capsys)
     assert status == 0, err
-    assert [args[:3] for args, _ in calls] == [("step", 1, 2), ("step", 2, 2), ("step", 2, 2)]
-    notes = [kwargs["note"] for _, kwargs in calls[:2]]
-    assert all(re.fullmatch(r"loss \d+\.\d{3}, [\d,]+ tok/s", note) for note in notes), notes
+    assert [args[:2] for args, _ in calls] == [(1, 2), (2, 2), (2, 2)]
+    notes = [args[2] for args, _ in calls[:2]]
+    assert all(re.fullmatch(r"loss \d+\.\d{3}, [\d,]+ tok/s, ETA [\d,]+s", note) for note in notes), notes
     lines = err.splitlines()
     assert "\r" not in err and len(lines) == 2 and lines[0].startswith("step 2: train ")
     assert lines[1].startswith("best val loss ") and lines[1].endswith("; checkpoint run.pt, log run.csv")
 
 
-@pytest.mark.parametrize("kind, message", INPUTS + [("not-utf8", "is not UTF-8 (invalid start byte at byte 5)")])
+@pytest.mark.parametrize("kind", ["dev-zero", "link-to-dev-zero", "fifo", "folder", "missing", "too-big", "not-utf8"])
 @pytest.mark.parametrize("flag", ["--corpus", "--tokenizer"])
 def test_a_corpus_or_tokenizer_that_is_not_a_bounded_regular_file_is_refused(
-        tmp_path, flag, kind, message, monkeypatch, capsys, shipped_unchanged):
+        tmp_path, flag, kind, monkeypatch, capsys, shipped_unchanged):
     monkeypatch.setattr("bpe.MAX_CORPUS_BYTES" if flag == "--corpus" else "bpe.MAX_TOKENIZER_BYTES", 1000)
     if kind == "not-utf8":
-        (tmp_path / "not-utf8").write_bytes(b"Watso\xff" * 10)
-        if flag == "--tokenizer":
-            message = "not-utf8 is not valid JSON"
-    path = tmp_path / kind if kind == "not-utf8" else special_input(tmp_path, kind)
-    what = "corpus" if flag == "--corpus" else "tokenizer file"
+        (tmp_path / kind).write_bytes(b"Watso\xff" * 10)
+    path = str(tmp_path / kind if kind == "not-utf8" else special_input(tmp_path, kind))
+    why = {"too-big": "is larger than 1,000 bytes", "not-utf8": "is not UTF-8 (invalid start byte at byte 5)"
+           if flag == "--corpus" else "is not valid JSON"}.get(kind, "is not a file")  # a pipe or a device too
     run = train(tmp_path, *TINY, flag, path, monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(run, f"train.py: error: {what if kind != 'not-utf8' or flag == '--corpus' else ''}")
-    assert message in run[2] and not any((tmp_path / name).exists() for name in RUN_FILES)
+    assert_refused(run, f"{path!r} {why}")
+    assert run[2].startswith("train.py: error: ") and not any((tmp_path / name).exists() for name in RUN_FILES)
 
 
 @pytest.mark.parametrize("corpus, message", [
@@ -367,28 +376,23 @@ def test_an_empty_or_tiny_corpus_is_refused_before_anything_is_printed_or_cached
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--device", "gpu"], "unknown device 'gpu'"),
+    (["--steps", "0"], "--steps, --eval-every and --eval-batches must be at least 1"),
+    (["--lr", "inf"], "--lr must be a finite number above 0, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number above 0, got nan"),
+    (["--lr", "0"], "--lr must be a finite number above 0, got 0.0"),
+    (["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
 ])
-def test_bad_arguments_get_a_one_line_error(tmp_path, args, message, monkeypatch, capsys, shipped_unchanged):
-    assert_refused(train(tmp_path, *args, monkeypatch=monkeypatch, capsys=capsys), message)
+def test_bad_arguments_are_refused_by_argparse(tmp_path, args, message, monkeypatch, capsys, shipped_unchanged):
+    status, _, err = train(tmp_path, *args, monkeypatch=monkeypatch, capsys=capsys)
+    assert status == 2 and err.startswith("usage: train.py ") and f"train.py: error: {message}" in err, err
+    assert os.listdir(tmp_path) == ["corpus.txt"]
 
 
 def test_missing_corpus_gets_a_one_line_error(tmp_path, monkeypatch, capsys):
     status, _, err = train(tmp_path, "--corpus", "missing.txt", monkeypatch=monkeypatch, capsys=capsys)
     assert status == 1
-    assert err == "train.py: error: corpus missing.txt not found; pass --corpus PATH to a UTF-8 text file\n"
-
-
-def test_force_lets_a_file_be_replaced_and_a_missing_folder_is_named(tmp_path):
-    (tmp_path / "run.pt").write_bytes(b"old")
-    check_output(tmp_path / "run.pt", force=True)
-    check_output(tmp_path / "new.pt", force=False)
-    with pytest.raises(ValueError, match="run.pt already exists; pass --force"):
-        check_output(tmp_path / "run.pt", force=False)
-    with pytest.raises(ValueError, match="the folder .*missing does not exist"):
-        check_output(tmp_path / "missing" / "run.pt", force=True)
+    assert err == "train.py: error: corpus 'missing.txt' is not a file; pass --corpus PATH to a UTF-8 text file\n"
 
 
 @pytest.mark.parametrize("resume", [None, b"not a resume file", "wrong keys", "no identity", "no csv"])
@@ -422,7 +426,7 @@ def test_a_resume_file_value_of_the_wrong_kind_is_refused_naming_the_file(
     state = torch.load(tmp_path / "run.resume.pt", weights_only=True)
     torch.save({**state, key: value}, tmp_path / "run.resume.pt")
     assert_refused(train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys),
-                   f"train.py: error: --resume: run.resume.pt holds {key!r} = ")
+                   f"train.py: error: --resume: 'run.resume.pt' holds {key!r} = ")
 
 
 def damage_cache(path, how):
@@ -485,7 +489,7 @@ def test_a_damaged_or_repacked_resume_file_is_refused_before_it_is_loaded(
     victims = {name: sha256(tmp_path / name) for name in RUN_FILES}
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: pytest.fail("torch.load read a damaged file"))
     run = train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(run, "train.py: error: --resume: run.resume.pt")
+    assert_refused(run, "train.py: error: --resume: 'run.resume.pt'")
     assert message in run[2] and "start again without --resume" in run[2]
     assert {name: sha256(tmp_path / name) for name in RUN_FILES} == victims
 
@@ -499,7 +503,7 @@ def test_optimizer_moments_of_another_shape_are_refused_before_any_step(
     torch.save(state, tmp_path / "run.resume.pt")
     victims = {name: sha256(tmp_path / name) for name in RUN_FILES if (tmp_path / name).exists()}
     assert_refused(train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys),
-                   "train.py: error: --resume: run.resume.pt does not fit this run (its optimizer's moments")
+                   "train.py: error: --resume: 'run.resume.pt' does not fit this run (its optimizer's moments")
     assert {name: sha256(tmp_path / name) for name in victims} == victims
 
 
@@ -516,5 +520,5 @@ def test_a_name_too_long_for_the_folder_is_refused_before_tokenizing_naming_it(t
     name = "r" * (256 - len(".resume.pt"))  # NAME.pt fits; NAME.resume.pt is one byte too long
     forbid_tokenizing(monkeypatch)
     run = train(tmp_path, *TINY, "--out", name, monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(run, f"cannot write {name}.resume.pt: File name too long")
+    assert_refused(run, f"cannot write '{name}.resume.pt': File name too long")
     assert ".tmp" not in run[2] and os.listdir(tmp_path) == ["corpus.txt"]

@@ -19,6 +19,7 @@ from engines.fast.compile_ways import compile_ways
 from engines.fast.decode_step import DecodeStep, GraphCache
 from engines.fast.engine import FastEngine
 from engines.fast.matmul import KERNELS, choose, with_kernel
+from engines.fast.rope import with_row_attention
 from engines.edge.timing import measure, sync
 
 
@@ -29,7 +30,8 @@ CHECKPOINT = "holmes.pt"  # the shipped weights, for the bf16 drift
 
 
 def decode_fixture(model, batch, device):
-    """A batch-row cache filled to the full window, and a token to feed."""
+    """A batch-row cache filled to the full window, and a token to feed; model's attention writes it in place
+    (engines.fast.rope.with_row_attention's)."""
     ctx = model.cfg.context
     idx = torch.randint(model.cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(2)).to(device)
     cache = GraphCache.for_model(model, batch, ctx)  # what the runner's decode step writes
@@ -39,6 +41,7 @@ def decode_fixture(model, batch, device):
 
 @torch.inference_mode()
 def table_kernels(model, device, sizes, runs, out):
+    model = with_row_attention(model)  # the attention that writes a KVCache in place, as the Engine's
     print(f"\n3. the decode step's matrix multiply: every exact kernel (engines/fast/matmul.py) timed for one step's "
           f"{sum(isinstance(m, torch.nn.Linear) for m in model.modules())} products")
     print("   (ms, fastest of 5 interleaved runs), as the Engine measures them; then one whole step at a full")
@@ -213,6 +216,7 @@ def table_drift(device, n_tokens, outs):
 
 @torch.inference_mode()
 def table_cuda(model, device, sizes, runs, out):
+    model = with_row_attention(model)  # the attention that writes a KVCache in place, as the Engine's
     print("\n5. CUDA: kernels per decode step, GPU busy share; the decode step eager, captured as a CUDA graph, and "
           "compiled (torch.compile) and captured")
     if device.type != "cuda":

@@ -16,17 +16,18 @@ def first_line(error):
     return next((line.strip() for line in str(error).splitlines() if line.strip()), "no reason given")
 
 
-def program():
-    """The command's name as its messages give it: the script's file, or the package of `python -m PACKAGE`."""
-    path = sys.argv[0]
-    return os.path.basename(os.path.dirname(path) if os.path.basename(path) == "__main__.py" else path)
+def script_name():
+    """The name a script's messages start with: its file's, or for a package run as python -m PACKAGE (its
+    __main__.py), that command."""
+    name, spec = os.path.basename(sys.argv[0]), getattr(sys.modules["__main__"], "__spec__", None)
+    return f"python -m {spec.parent}" if name == "__main__.py" and spec else name
 
 
 class Parser(argparse.ArgumentParser):
     """argparse whose complaints are one line and a non-zero exit, like every other error here."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, prog=kwargs.pop("prog", None) or program(), **kwargs)
+    def __init__(self, **kwargs):
+        super().__init__(prog=script_name(), **kwargs)
 
     def error(self, message):
         sys.exit(f"{self.prog}: error: {message} (see --help)")
@@ -56,7 +57,7 @@ def run_cli(main):
     exception, a bug, keeps its traceback. SIGTERM unwinds like Ctrl-C, so every atomic_write in progress
     removes its temporary file. (SIGPIPE stays ignored, as Python sets it: at its default, a client gone
     from serve.py's socket would end the server.)"""
-    name = program()
+    name = script_name()
     if sys.stdout is None:  # started with standard output closed (>&-): every print would vanish
         sys.exit(f"{name}: error: cannot write to standard output: it is closed; give it a place (> FILE, or a terminal)")
     signal.signal(signal.SIGTERM, interrupted)

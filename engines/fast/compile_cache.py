@@ -87,9 +87,9 @@ def weights_digest(model):
     return digest.hexdigest()
 
 
-# the files of this folder whose code a compiled step runs, or which decide how it is exported and keyed
-STEP_CODE = ("compile_cache.py", "compile_ways.py", "decode_step.py", "graph_pick.py", "int8.py", "matmul.py",
-             "row_cache.py")
+# the files of engines/ whose code a compiled step runs, or which decide how it is exported and keyed
+STEP_CODE = ("fast/compile_cache.py", "fast/compile_ways.py", "fast/decode_step.py", "fast/graph_pick.py",
+             "fast/int8.py", "fast/matmul.py", "serving/row_cache.py")
 
 
 def step_sources(model, cache):
@@ -99,8 +99,8 @@ def step_sources(model, cache):
     classes = {c for obj in (*model.modules(), cache) for c in type(obj).__mro__}
     files = {inspect.getfile(c) for c in classes if c.__module__.partition(".")[0] not in ("torch", "builtins")}
     sources = {}
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in sorted(files | {os.path.join(here, name) for name in STEP_CODE}):
+    engines = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in sorted(files | {os.path.join(engines, name) for name in STEP_CODE}):
         with open(path, "rb") as f:
             sources[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
     return sources

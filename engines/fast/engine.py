@@ -198,6 +198,7 @@ class FastEngine(Engine):
         finally:
             self.ahead = 1
 
+    @torch.inference_mode()  # as the lesson's generate runs, which this takes the place of
     def decode(self, rows, generators, settings, stops_at, max_tokens):
         """The lesson's decode loop, or, where the compiled step picks: each step feeds the tokens the last
         one picked, with no pick, tensor or check outside it but the rows' bookkeeping (take) and each

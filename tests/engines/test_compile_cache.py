@@ -84,9 +84,10 @@ def test_a_compiled_step_writes_the_callers_cache_and_gives_the_eager_tokens(kep
 
 def test_one_compile_per_batch_serves_every_prompt_and_length(kept):
     model, _, engine = kept
-    for prompt, n in ((PROMPT, 12), (PROMPT[:3], 5), (PROMPT[:1], SMALL.context + 8)):  # the last past the window
+    # the last past the window, where the ring's reference is the lesson's loop on the ring, eager (test_kv_cache)
+    for prompt, n in ((PROMPT, 12), (PROMPT[:3], 5), (PROMPT[:1], SMALL.context + 8)):
         for knobs in (dict(temperature=0), dict(temperature=1.0, seed=3)):
-            eager = Engine(model).generate_batch(prompt, B, max_tokens=n, **knobs)[0]
+            eager = FastEngine(model, kernel="nn").generate_batch(prompt, B, max_tokens=n, **knobs)[0]
             assert engine.generate_batch(prompt, B, max_tokens=n, **knobs)[0] == eager
     assert list(engine.compile_seconds) == list(engine.steps) == [(B, ()), (B, ("temperature",))]
 
@@ -172,7 +173,7 @@ def test_every_part_of_what_a_step_is_compiled_for_is_in_its_key(monkeypatch):
     monkeypatch.setattr(compile_cache, "step_sources", lambda *args: {**sources, "model.py": "edited"})
     others["source"] = step_key(model, cache, {})
     assert len({key, *others.values()}) == 1 + len(others), others
-    assert {"model.py", "cached.py", "prefill_clone.py", "decode_step.py", "matmul.py"} <= set(sources)
+    assert {"model.py", "cached.py", "kv_cache.py", "decode_step.py", "matmul.py", "row_cache.py"} <= set(sources)
 
 
 def test_weights_changed_in_place_are_refused_and_compiled_anew_by_a_new_engine(kept, light,

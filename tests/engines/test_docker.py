@@ -41,7 +41,10 @@ def test_the_serve_stage_installs_requirements_serve_and_runs_the_gpu_check():
     serve = "\n".join(found["serve"])
     assert "FROM base AS serve" in serve and "-r engines/requirements.txt" in serve and "COPY . ." in serve
     assert 'CMD ["bash", "engines/fast/gpu_check.sh"]' in serve and "EXPOSE 8000" in serve
-    assert "-r requirements.txt" in "\n".join(found["base"])
+    base = "\n".join(found["base"])
+    # each requirements file copied to the path pip is given (one COPY of both to ./ would put one over the other)
+    assert "-r requirements.txt" in base and "COPY requirements.txt ./" in base
+    assert "COPY engines/requirements.txt engines/" in base
 
 
 def test_dockerignore_lets_in_every_tracked_file_but_the_repos_own_leftovers():

@@ -214,7 +214,7 @@ def test_an_entry_point_started_with_standard_output_closed_says_so_in_one_line(
     every entry point of engines/ runs its main through run_cli."""
     run = subprocess.run(f"{sys.executable} -m engines.export --help >&-", shell=True, cwd=ROOT, capture_output=True,
                          text=True)
-    assert (run.returncode, run.stderr) == (1, "export: error: cannot write to standard output: it is closed; "
+    assert (run.returncode, run.stderr) == (1, "python -m engines.export: error: cannot write to standard output: it is closed; "
                                                "give it a place (> FILE, or a terminal)\n")
     sources = {path: open(path).read() for path in glob.glob(os.path.join(ROOT, "engines", "**", "*.py"), recursive=True)}
     entry_points = [path for path, source in sources.items() if '\nif __name__ == "__main__":' in source]

@@ -338,14 +338,14 @@ def test_force_replaces_a_previous_export_whole(tmp_path, run_export):
 
 
 def test_an_interrupted_export_removes_its_temporary_folder_and_says_so_in_one_line(tmp_path):
-    export = subprocess.Popen([sys.executable, "export.py", "holmes.pt", tmp_path / "out"],
+    export = subprocess.Popen([sys.executable, "-m", "engines.export", "holmes.pt", tmp_path / "out"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while not any(p.name.startswith(".export-") for p in tmp_path.iterdir()):  # the work has begun
         assert export.poll() is None
         time.sleep(0.05)
     export.send_signal(signal.SIGTERM)
     _, err = export.communicate(timeout=600)  # a guard against a hang only
-    assert export.returncode == 1 and err.strip() == "export.py: interrupted; nothing half-written was left behind"
+    assert export.returncode == 1 and err.strip() == "python -m engines.export: interrupted; nothing half-written was left behind"
     assert list(tmp_path.iterdir()) == []
 
 

@@ -10,7 +10,6 @@ from engines.fast.compile_ways import compiler_missing
 from engines.fast import engine as fast_engine
 from engines.fast.engine import FastEngine
 from engines.fast.graph_pick import GraphPick, Knobs, STAGES, stages_for
-from prefill_clone import Engine
 
 VOCAB = 300
 KNOBS = [dict(temperature=0), dict(temperature=0, penalty=1.5), dict(temperature=0.8), dict(temperature=1.3, top_k=7),
@@ -67,7 +66,8 @@ ROW_SETTINGS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temp
 @pytest.mark.skipif(bool(compiler_missing("cpu")), reason=str(compiler_missing("cpu")))
 def test_the_compiled_loop_gives_the_lesson_engines_tokens_greedy_and_sampled(every_way_compiled):
     model, folder, rows = every_way_compiled.model, every_way_compiled.folder, COMPILED_ROWS
-    fast, lesson = FastEngine(model, compile=True, compile_cache=folder), Engine(model)
+    # the lesson's loop on the ring, eager: past the window the ring's reference (test_kv_cache), not the dict's
+    fast, lesson = FastEngine(model, compile=True, compile_cache=folder), FastEngine(model, kernel="nn")
     n = model.cfg.context - len(PROMPT) + 4  # past the window: the ring's positions too
     assert stages_for(ROW_SETTINGS, model.cfg.vocab_size) == STAGES  # each row its own knobs: every stage of the pick
     for kwargs in (dict(temperature=0), dict(settings=ROW_SETTINGS, seed=list(range(7, 7 + rows)))):

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from engines.fast import compile_ways
+from engines.fast import engine as fast_engine
 from engines.fast import int8
 from engines.fast import matmul
 import model as model_py
-import sample_grid
 from cached import CachedGPT
 from helpers import SMALL, assert_refused, run_main
 from support import COMPILED_ROWS
@@ -118,8 +118,8 @@ def test_compiling_without_a_cpp_compiler_is_refused_before_anything_compiles(mo
                                          r"\(apt-get install g\+\+\) or name one in CXX, or run without "
                                          r"compiling \(no compiled step is kept at "):
         FastEngine(CachedGPT(SMALL).eval(), compile=True).generate_batch([1, 2], 2, max_tokens=3)
-    run = run_main(sample_grid.main, ["sample_grid.py", "--compile"], monkeypatch, capsys)
-    assert_refused(run, "sample_grid.py: error: compiling on the CPU needs the C++ compiler")
+    run = run_main(fast_engine.main, ["engine.py", "--compile"], monkeypatch, capsys)
+    assert_refused(run, "engine.py: error: compiling on the CPU needs the C++ compiler")
     assert run[1] == ""
 
 

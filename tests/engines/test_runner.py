@@ -4,7 +4,6 @@ CUDA's way (torch.compile, every slot attended behind the mask) gives the lesson
 from helpers import PROMPT, small
 from engines.fast.engine import FastEngine
 from engines.serving.runner import ModelRunner, batch_sizes
-from prefill_clone import Engine
 
 
 def test_sizes_are_nano_vllms_one_two_four_eight_then_steps_of_16_up_to_the_rows():
@@ -21,12 +20,13 @@ def test_a_step_for_b_rows_runs_over_the_smallest_size_holding_them_and_is_kept(
 
 def test_cudas_way_torch_compile_over_every_slot_gives_the_lessons_tokens():
     """The step CUDA runs, compiled by torch.compile and attending to every slot behind the mask, here on a CPU
-    (where only the graph capture is left out): FastEngine's greedy and drawn rows equal the lesson Engine's."""
+    (where only the graph capture is left out): FastEngine's greedy and drawn rows equal the lesson's loop on the
+    ring, past the window too (where the ring is TrimFirst's model, not the post's dict's: test_kv_cache)."""
     model = small()
     engine = FastEngine(model, compile=True)
     engine.runners[2] = ModelRunner(model, 2, [2], compile=True, jit=True)
     for knobs in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 3}):
-        want = Engine(model).generate_batch(PROMPT, 2, max_tokens=40, **knobs)[0]
+        want = FastEngine(model, kernel="nn").generate_batch(PROMPT, 2, max_tokens=40, **knobs)[0]
         assert engine.generate_batch(PROMPT, 2, max_tokens=40, **knobs)[0] == want
     step = engine.steps[2, ()]
     assert step.every_slot and step.run is not step._step and step.package is None  # compiled, nothing on disk

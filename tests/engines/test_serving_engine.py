@@ -25,7 +25,6 @@ from engines.serving.sequence import Event, Request
 from engines.serving.engine import ServingEngine
 from engines.serving.text import TextStream
 from prefill_clone import Engine
-from engines.fast.kv_cache import KVCache
 
 MODEL, TOK = compiled_model(), BPE.load(TOKENIZER)
 CONTEXT, VOCAB = COMPILED.context, COMPILED.vocab_size
@@ -441,7 +440,7 @@ def test_prompt_chunks_after_cached_positions_equal_one_prefill_with_a_mask():
     rng = random.Random(3)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 20)]
     cuts = [4, 11, 8]
-    want = torch.stack([MODEL.step(torch.tensor([p]), KVCache.for_model(MODEL, 1, CONTEXT), 0)[0] for p in prompts])
+    want = torch.stack([MODEL.step(torch.tensor([p]), [{} for _ in MODEL.blocks], 0)[0] for p in prompts])
 
     def chunked(model):
         rows = GraphCache.for_model(MODEL, 4, CONTEXT)
@@ -496,7 +495,7 @@ def test_the_prefix_cache_evicts_least_recently_used_and_tails_first():
 def test_serving_check_finds_every_request_equal_to_the_engine_alone(monkeypatch, capsys):
     """The command docs/serving_engine.md quotes, small: two-turn chats through one engine, each request checked
     against the Engine alone (it exits 1 naming the request where they differ)."""
-    from engines.serving.engine import check as serving_check
+    from engines.serving import check as serving_check
     status, out, err = run_main(serving_check.main, ["serving_check", "--chats", "3", "--tokens", "6"], monkeypatch,
                                 capsys)
     assert status == 0, err
@@ -505,12 +504,12 @@ def test_serving_check_finds_every_request_equal_to_the_engine_alone(monkeypatch
 
 
 @pytest.mark.parametrize("tool, flags, message", [
-    ("serving_check", ["--chats", "-1"], "--chats must be at least 1, got -1"),
-    ("serving_check", ["--threads", "-3"], "--threads must be at least 0, got -3"),
-    ("bench_serving", ["--clients", "0"], "--clients must be at least 1, got 0"),
-    ("bench_serving", ["--threads", "0"], "--threads must be at least 1, got 0"),
-    ("bench_serving", ["--requests", "-1"], "--requests must be at least 1, got -1"),
-    ("bench_serving", ["--think", "nan"], "--think must be at least 0, got nan"),
+    ("serving.check", ["--chats", "-1"], "--chats must be at least 1, got -1"),
+    ("serving.check", ["--threads", "-3"], "--threads must be at least 0, got -3"),
+    ("bench.serving", ["--clients", "0"], "--clients must be at least 1, got 0"),
+    ("bench.serving", ["--threads", "0"], "--threads must be at least 1, got 0"),
+    ("bench.serving", ["--requests", "-1"], "--requests must be at least 1, got -1"),
+    ("bench.serving", ["--think", "nan"], "--think must be at least 0, got nan"),
 ])
 def test_the_serving_tools_refuse_a_count_they_cannot_run_in_one_line(tool, flags, message, monkeypatch, capsys):
     """Before: --chats -1 checked nothing and said every request was equal, --clients 0 hung, --requests -1 ran 10."""

@@ -1,5 +1,5 @@
 """What the test files share, defined once: running a script's main in-process as a real run shows it,
-one-line refusals, train.py's small runs, Part 3's checkpoint format written without model.py, the small
+one-line refusals, series/train.py's small runs, Part 3's checkpoint format written without model.py, the small
 model most tests run, and texts a tokenizer or an exported model must round-trip. Nothing of engines/."""
 import contextlib
 import functools
@@ -14,9 +14,8 @@ import sys
 import pytest
 import torch
 
-from series import train as train_module
-from engines.edge.cli import run_cli
 from model import Config
+from series import train as train_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = ("holmes.pt", "series/holmes.csv", "tokenizer.json")
@@ -34,11 +33,12 @@ def sha256(path):
 
 
 def exit_status(main, argv, monkeypatch):
-    """(exit status, the message a real run would print last on stderr) of a script run in-process through run_cli."""
+    """(exit status, the message a real run would print last on stderr) of a script's main run in-process (an
+    entry point of engines/ through its run_cli: tests/engines/support.py's cli)."""
     monkeypatch.setattr(sys, "argv", [str(a) for a in argv])
-    handler = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; the test process keeps pytest's
+    handler = signal.getsignal(signal.SIGTERM)  # a script may install its own; the test process keeps pytest's
     try:
-        run_cli(main)
+        main()
         return 0, ""
     except SystemExit as e:  # sys.exit(message) prints the message and exits 1 in a real process
         return (1, f"{e.code}\n") if isinstance(e.code, str) else (e.code or 0, "")
@@ -47,7 +47,7 @@ def exit_status(main, argv, monkeypatch):
 
 
 def run_main(main, argv, monkeypatch, capsys):
-    """A script run in-process through run_cli: (exit status, stdout, stderr as a real run shows them)."""
+    """A script's main run in-process: (exit status, stdout, stderr as a real run shows them)."""
     status, message = exit_status(main, argv, monkeypatch)
     out, err = capsys.readouterr()
     return status, out, err + message

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from engines.edge.cli import run_cli
 from engines.fast import compile_ways
 from engines.fast import decode_step
 from engines.fast import engine as fast_engine
@@ -14,6 +15,11 @@ from engines.serving import engine as serving
 from engines.fast.rope import with_row_attention
 from helpers import SMALL, small
 from model import Config
+
+
+def command(main):
+    """An entry point of engines/ as its command line runs it: main through run_cli (one line for a refusal)."""
+    return lambda: run_cli(main)
 
 
 def needs(module):

@@ -16,6 +16,7 @@ from engines.edge.checkpoint import load_cached, load_checkpoint, load_pair, sav
 from engines.edge.cli import check_fits
 from engines.fast import engine as fast_engine
 from helpers import PART3_CONFIG, assert_refused, one_line_exit, part3_state_dict, run_main, small
+from support import command
 from model import GPT, Config
 
 
@@ -108,7 +109,7 @@ def test_a_checkpoint_written_here_loads_with_its_config(tmp_path):
 def test_a_tokenizer_larger_than_the_model_is_named(tmp_path, monkeypatch, capsys):
     checkpoint = tmp_path / "small.pt"
     save_checkpoint(small(), checkpoint, step=0)
-    run = run_main(fast_engine.main, ["engine.py", checkpoint, "Sherlock Holmes"], monkeypatch, capsys)
+    run = run_main(command(fast_engine.main), ["engine.py", checkpoint, "Sherlock Holmes"], monkeypatch, capsys)
     assert_refused(run, "tokenizer.json")
     assert "512" in run[2] and "4096" in run[2]
 
@@ -137,7 +138,7 @@ def hostile_checkpoint(path, kind):
 ])
 def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message, monkeypatch):
     hostile_checkpoint(tmp_path / "h.pt", kind)
-    assert message in one_line_exit(fast_engine.main, monkeypatch, "engine.py", str(tmp_path / "h.pt"))
+    assert message in one_line_exit(command(fast_engine.main), monkeypatch, "engine.py", str(tmp_path / "h.pt"))
 
 
 @pytest.mark.parametrize("content, message", [
@@ -148,14 +149,14 @@ def test_hostile_checkpoints_get_one_line_and_exit_1(tmp_path, kind, message, mo
 ])
 def test_hostile_tokenizer_files_get_one_line_and_exit_1(tmp_path, content, message, monkeypatch):
     (tmp_path / "t.json").write_text(content)
-    assert message in one_line_exit(fast_engine.main, monkeypatch, "engine.py", "--tokenizer", str(tmp_path / "t.json"))
+    assert message in one_line_exit(command(fast_engine.main), monkeypatch, "engine.py", "--tokenizer", str(tmp_path / "t.json"))
 
 
 def test_a_tokenizer_other_than_the_recorded_one_is_refused_even_at_the_same_size(tmp_path, monkeypatch):
     merges = json.load(open("tokenizer.json"))["merges"]
     merges[-1] = [32, 32] if merges[-1] != [32, 32] else [33, 33]
     (tmp_path / "other.json").write_text(json.dumps({"merges": merges}))
-    message = one_line_exit(fast_engine.main, monkeypatch, "engine.py", "--tokenizer", str(tmp_path / "other.json"))
+    message = one_line_exit(command(fast_engine.main), monkeypatch, "engine.py", "--tokenizer", str(tmp_path / "other.json"))
     assert "other.json is not the tokenizer holmes.pt was trained with" in message
 
 
@@ -174,7 +175,7 @@ def test_a_checkpoint_without_a_tokenizer_record_says_which_tokenizer_it_assumed
     (lambda d: d, "is a folder; give a file"),
 ])
 def test_a_checkpoint_that_would_block_or_never_end_is_refused_without_reading_it(tmp_path, monkeypatch, make, message):
-    assert message in one_line_exit(fast_engine.main, monkeypatch, "engine.py", str(make(tmp_path)))
+    assert message in one_line_exit(command(fast_engine.main), monkeypatch, "engine.py", str(make(tmp_path)))
 
 
 def test_the_shipped_checkpoint_records_the_shipped_tokenizer():

@@ -23,7 +23,7 @@ from engines.fast.engine import FastEngine
 from engines.serving.engine import ServingEngine
 from engines.fast.compile_ways import compiler_missing
 from helpers import run_main
-from support import AS_SET, COMPILED, COMPILED_ROWS, TIMED_WAYS, compiled_model
+from support import AS_SET, COMPILED, COMPILED_ROWS, TIMED_WAYS, command, compiled_model
 from engines.edge.errors import CompileFailed
 from model import Config
 from prefill_clone import Engine
@@ -436,7 +436,7 @@ def test_a_compile_that_fails_inside_inductor_ends_in_one_line_naming_the_way(tm
                                   "compiler works")
     from engines.fast import engine as fast_engine
     capsys.readouterr()
-    status, out, err = run_main(fast_engine.main, ["fast_engine.py", "--compile", "--compile-cache", str(tmp_path),
+    status, out, err = run_main(command(fast_engine.main), ["fast_engine.py", "--compile", "--compile-cache", str(tmp_path),
                                                    "-n", "1"], monkeypatch, capsys)
     assert status == 1 and out == "" and "Traceback" not in err  # the line before it says what was being compiled
     assert err.splitlines()[-1].startswith("fast_engine.py: error: the compiled decode step for 1 rows, compiled "

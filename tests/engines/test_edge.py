@@ -19,6 +19,7 @@ from engines.edge.cli import run_cli, show_progress
 from engines.edge.errors import BadPath, BadValue
 from engines.edge.files import atomic_write, check_input, check_output
 from helpers import ROOT, assert_refused, exit_status, run_main
+from support import command
 
 
 def sha(path):
@@ -200,9 +201,9 @@ def test_run_cli_says_bad_input_in_one_line_and_a_bug_keeps_its_traceback(monkey
 
     def buggy():
         raise ValueError("a bug: an error that is not a BadInput")
-    assert exit_status(refusing, ["prog.py"], monkeypatch) == (1, "prog.py: error: --tokens must be at least 1, got 0\n")
+    assert exit_status(command(refusing), ["prog.py"], monkeypatch) == (1, "prog.py: error: --tokens must be at least 1, got 0\n")
     with pytest.raises(ValueError, match="a bug"):
-        exit_status(buggy, ["prog.py"], monkeypatch)
+        exit_status(command(buggy), ["prog.py"], monkeypatch)
 
 
 def test_no_exception_hook_is_installed_by_importing_the_edge():
@@ -295,7 +296,7 @@ def test_export_without_transformers_names_the_requirements_file_in_one_line(mon
     from engines.export import __main__ as export
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
-    assert_refused(run_main(export.main, ["export"], monkeypatch, capsys),
+    assert_refused(run_main(command(export.main), ["export"], monkeypatch, capsys),
                    "export: error: python -m engines.export needs transformers; pip install -r engines/requirements.txt")
 
 

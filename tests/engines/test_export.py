@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import ODD_TEXTS, PART3_CONFIG, one_line_exit, part3_state_dict, run_main
-from support import needs
+from support import command, needs
 
 needs("transformers")  # engines/requirements.txt: the whole export
 import safetensors.torch  # noqa: E402
@@ -105,7 +105,7 @@ def test_the_rope_layout_puts_evens_first_then_odds():
 @pytest.fixture
 def run_export(monkeypatch, capsys):
     """export.py run in this process: (exit status, stdout, stderr)."""
-    return lambda *args: run_main(export.main, ["export.py", *args], monkeypatch, capsys)
+    return lambda *args: run_main(command(export.main), ["export.py", *args], monkeypatch, capsys)
 
 
 def test_cli_writes_a_folder_transformers_loads_and_reports_each_check(tmp_path, run_export):
@@ -135,7 +135,7 @@ def test_a_narrower_folder_stores_that_dtype_and_is_the_rounded_checkpoint(tmp_p
 
 
 def test_dtype_is_the_folders_alone(tmp_path, monkeypatch):
-    message = one_line_exit(export.main, monkeypatch, "export.py", "holmes.pt", "--gguf", tmp_path / "m.gguf",
+    message = one_line_exit(command(export.main), monkeypatch, "export.py", "holmes.pt", "--gguf", tmp_path / "m.gguf",
                             "--dtype", "bfloat16")
     assert "--dtype is the Hugging Face folder's" in message and not (tmp_path / "m.gguf").exists()
 
@@ -222,7 +222,7 @@ def test_nothing_is_lost_whatever_the_flags(case, tmp_path, monkeypatch):
     (work / "mine" / "null").symlink_to("/dev/null")
     before = sha256s(work)
     args, message = NOTHING_LOST[case]
-    line = one_line_exit(export.main, monkeypatch, "export.py", *(a.format(w=work) for a in args))
+    line = one_line_exit(command(export.main), monkeypatch, "export.py", *(a.format(w=work) for a in args))
     assert message.format(w=work) in line and "Traceback" not in line
     assert sha256s(work) == before and os.readlink(work / "mine" / "null") == "/dev/null"
 
@@ -248,7 +248,7 @@ def test_outputs_never_nest_or_swallow_the_working_folder(case, tmp_path, monkey
     before = sha256s(work)
     where, args, message = NESTED[case]
     monkeypatch.chdir(work / where)
-    line = one_line_exit(export.main, monkeypatch, "export.py", *(a.format(w=work) for a in args))
+    line = one_line_exit(command(export.main), monkeypatch, "export.py", *(a.format(w=work) for a in args))
     assert message.format(w=work) in line and "Traceback" not in line
     assert sha256s(work) == before and sorted(p.name for p in work.iterdir()) == ["holmes.pt", "mine", "notes.py",
                                                                                     "tokenizer.json"]
@@ -299,7 +299,7 @@ def test_two_exports_into_one_folder_the_second_is_refused_and_the_first_kept(tm
         shutil.copytree(first, tmp_path / "out")
         return real_report(*args)
     monkeypatch.setattr(export, "report", another_export_finishes_meanwhile)
-    line = one_line_exit(export.main, monkeypatch, "export.py", "holmes.pt", tmp_path / "out")
+    line = one_line_exit(command(export.main), monkeypatch, "export.py", "holmes.pt", tmp_path / "out")
     assert line == f"export.py: error: {tmp_path / 'out'} appeared while this ran and is left as it was; nothing " \
                    "was written there (pass --force to replace it, or give another name)"
     assert sha256s(tmp_path / "out") == {tmp_path / "out" / p.relative_to(first): h for p, h in sha256s(first).items()}
@@ -321,7 +321,7 @@ def test_a_file_size_limit_exporting_is_one_line_and_keeps_the_old_export(output
     monkeypatch.setattr(export, writer, limited)
     args = [tmp_path / "out"] if output == "OUT_DIR" else ["--gguf", tmp_path / "model.gguf"]
     try:
-        line = one_line_exit(export.main, monkeypatch, "export.py", "holmes.pt", *args, "--force")
+        line = one_line_exit(command(export.main), monkeypatch, "export.py", "holmes.pt", *args, "--force")
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     assert line.startswith("export.py: error: cannot write ") and line.endswith(": File too large; nothing was "
@@ -351,20 +351,20 @@ def test_an_interrupted_export_removes_its_temporary_folder_and_says_so_in_one_l
 
 def test_a_missing_engine_is_one_line_naming_the_requirements_file(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # what a reader without the engines has
-    assert one_line_exit(export.main, monkeypatch, "export.py", "holmes.pt", "--ct2", tmp_path / "ct2") == \
+    assert one_line_exit(command(export.main), monkeypatch, "export.py", "holmes.pt", "--ct2", tmp_path / "ct2") == \
         "export.py: error: ctranslate2 is not installed; pip install -r engines/requirements.txt"
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_tokenizer_of_another_size_is_refused_naming_both(tmp_path, monkeypatch):
     small_bpe(300).save(tmp_path / "small.json")
-    message = one_line_exit(export.main, monkeypatch, "export.py", "holmes.pt", tmp_path / "out", "--tokenizer", tmp_path / "small.json")
+    message = one_line_exit(command(export.main), monkeypatch, "export.py", "holmes.pt", tmp_path / "out", "--tokenizer", tmp_path / "small.json")
     assert "small.json has 300 tokens but holmes.pt a vocabulary of 4096" in message
     assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_checkpoint_is_the_one_line_error_of_the_other_scripts(tmp_path, monkeypatch):
-    assert one_line_exit(export.main, monkeypatch, "export.py", tmp_path / "nope.pt", tmp_path / "out") == \
+    assert one_line_exit(command(export.main), monkeypatch, "export.py", tmp_path / "nope.pt", tmp_path / "out") == \
         f"export.py: error: checkpoint {tmp_path / 'nope.pt'} not found; pass a Part 3 .pt file or train one"
 
 
@@ -377,10 +377,10 @@ def test_check_reads_as_transformers_does_and_fails_a_quarter_rotary(tmp_path, m
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     config["rope_parameters"]["partial_rotary_factor"] = 0.25
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    assert one_line_exit(export.main, monkeypatch, "export.py", "--check", tmp_path / "hf") == \
+    assert one_line_exit(command(export.main), monkeypatch, "export.py", "--check", tmp_path / "hf") == \
         f"export.py: error: {tmp_path / 'hf'} does not reproduce holmes.pt"
     assert "parts from cached.py after" in capsys.readouterr().out
-    assert one_line_exit(export.main, monkeypatch, "export.py", "--check", tmp_path) == \
+    assert one_line_exit(command(export.main), monkeypatch, "export.py", "--check", tmp_path) == \
         f"export.py: error: --check {tmp_path}: not a folder with a config.json; give an exported folder"
 
 
@@ -420,7 +420,7 @@ def test_check_refuses_a_folder_with_any_token_weight_or_config_field_changed(ho
     folder = tmp_path / "hf"
     shutil.copytree(holmes_folder, folder)
     tamper(folder)
-    assert one_line_exit(export.main, monkeypatch, "export.py", "--check", folder) == f"export.py: error: {folder} does not reproduce holmes.pt"
+    assert one_line_exit(command(export.main), monkeypatch, "export.py", "--check", folder) == f"export.py: error: {folder} does not reproduce holmes.pt"
     assert difference in capsys.readouterr().out
 
 
@@ -446,7 +446,7 @@ def test_check_of_a_damaged_folder_is_one_line_naming_it(holmes_folder, tmp_path
     folder = tmp_path / "hf"
     shutil.copytree(holmes_folder, folder)
     damage(folder)
-    message = one_line_exit(export.main, monkeypatch, "export.py", "--check", folder)
+    message = one_line_exit(command(export.main), monkeypatch, "export.py", "--check", folder)
     assert message.startswith(f"export.py: error: --check {folder}: transformers cannot load it ({reason}")
     assert message.endswith("; export it again") and capsys.readouterr().out == ""
 
@@ -455,7 +455,7 @@ def test_a_gguf_type_the_models_shapes_cannot_hold_is_refused_before_any_work(tm
     torch.manual_seed(0)
     save_checkpoint(CachedGPT(Config(d_model=48, n_heads=4, n_layers=1)), tmp_path / "odd.pt", 0)
     monkeypatch.setattr(export, "write_folder", lambda *a, **k: pytest.fail("the work began"))
-    status, out, err = run_main(export.main, ["export.py", str(tmp_path / "odd.pt"), "--gguf", str(tmp_path / "m.gguf"),
+    status, out, err = run_main(command(export.main), ["export.py", str(tmp_path / "odd.pt"), "--gguf", str(tmp_path / "m.gguf"),
                                               "--gguf-type", "q8_0"], monkeypatch, capsys)
     assert status == 1 and out == "" and err.splitlines()[-1] == (  # after a note of the tokenizer assumed
         "export.py: error: --gguf-type q8_0 stores each matrix's rows in blocks of 32 values, and this model's rows "

@@ -13,7 +13,7 @@ import pytest
 import torch
 from children import ct2_greedy_as_it_loads, segfault
 from helpers import ODD_TEXTS, free_port, run_main_once
-from support import needs
+from support import command, needs
 
 needs("transformers")  # the export every engine here reads
 
@@ -37,7 +37,7 @@ def cli_run(tmp_path_factory):
     """One export.py run writing both engines' outputs, as a reader runs it (in this process): (stdout, folder)."""
     needs("gguf"), needs("ctranslate2"), needs("llama_cpp")
     out = tmp_path_factory.mktemp("engines")
-    status, stdout, err = run_main_once(export.main, ["export.py", "--gguf", out / "holmes.gguf",
+    status, stdout, err = run_main_once(command(export.main), ["export.py", "--gguf", out / "holmes.gguf",
                                                       "--ct2", out / "holmes-ct2"])
     assert status == 0, err
     return stdout, out

@@ -8,7 +8,7 @@ import torch
 from bpe import BPE
 from cached import CachedGPT
 from engines.edge.checkpoint import load_cached as load
-from support import ring_gives_a_trim_first_caches_logits_for_600_steps
+from support import command, ring_gives_a_trim_first_caches_logits_for_600_steps
 from helpers import (PROMPT, SMALL, assert_refused, keys_attended, prompts,
                      run_main, small)
 from engines.fast import engine as fast_engine
@@ -61,7 +61,7 @@ def test_bad_engine_settings_are_refused_in_one_line(engine, message):
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_cli_prints_the_samples_and_one_line_of_timing(dtype, monkeypatch, capsys):
-    status, stdout, err = run_main(fast_engine.main, ["fast_engine.py", "-n", "2", "--tokens", "4", "--dtype", dtype],
+    status, stdout, err = run_main(command(fast_engine.main), ["fast_engine.py", "-n", "2", "--tokens", "4", "--dtype", dtype],
                                    monkeypatch, capsys)
     assert status == 0, err
     assert "--- sample 1 (seed 1)" in stdout and "--- sample 2" not in stdout
@@ -99,7 +99,7 @@ def test_a_lower_precision_grid_gives_eight_rows_and_float32s_greedy_start(dtype
     (["--temperature", "nan"], "temperature must be a finite number, got nan"),
 ])
 def test_hostile_cli_input_gets_one_line_naming_it_and_exit_1(args, message, monkeypatch, capsys):
-    run = run_main(fast_engine.main, ["fast_engine.py", *args], monkeypatch, capsys)
+    run = run_main(command(fast_engine.main), ["fast_engine.py", *args], monkeypatch, capsys)
     assert_refused(run, "fast_engine.py: error: ")
     assert message in run[2] and run[1] == ""
 

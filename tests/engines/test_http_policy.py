@@ -12,7 +12,7 @@ import random
 import pytest
 
 from helpers import ROOT, assert_refused, run_main
-from support import needs
+from support import command, needs
 
 openai = needs("openai")
 needs("uvicorn")
@@ -180,7 +180,7 @@ def test_serve_refuses_an_open_door_or_a_key_no_client_could_send_in_one_line(fl
     monkeypatch.delenv("TINY_GPT_API_KEY", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert_refused(run_main(serve.main, ["serve.py", "--port", "0", "--eager", *flags], monkeypatch, capsys), message)
+    assert_refused(run_main(command(serve.main), ["serve.py", "--port", "0", "--eager", *flags], monkeypatch, capsys), message)
 
 
 def test_the_key_comes_from_a_file_or_the_environment_where_ps_cannot_show_it(tmp_path, monkeypatch):

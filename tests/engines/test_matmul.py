@@ -12,7 +12,7 @@ from engines.fast import matmul
 import model as model_py
 from cached import CachedGPT
 from helpers import SMALL, assert_refused, run_main
-from support import COMPILED_ROWS
+from support import COMPILED_ROWS, command
 from prefill_clone import Engine
 from engines.fast.int8 import INT8_KERNELS, Int8Linear
 from engines.fast.matmul import KERNELS, KernelLinear, choose, time_kernels, with_kernel
@@ -96,17 +96,17 @@ def test_the_choice_is_measured_once_per_batch_and_kept(monkeypatch):
 
 
 def test_cli_prints_each_kernel_and_the_fastest_and_refuses_a_bad_batch_in_one_line(monkeypatch, capsys):
-    status, out, err = run_main(matmul.main, ["matmul.py", "cpu", "--batches", "2"], monkeypatch, capsys)
+    status, out, err = run_main(command(matmul.main), ["matmul.py", "cpu", "--batches", "2"], monkeypatch, capsys)
     assert status == 0, err
     assert out.startswith("batch 2: nn ") and "fastest: " in out
-    run = run_main(matmul.main, ["matmul.py", "--batches", "0"], monkeypatch, capsys)
+    run = run_main(command(matmul.main), ["matmul.py", "--batches", "0"], monkeypatch, capsys)
     assert_refused(run, "matmul.py: error: --batches must be whole numbers >= 1, got [0]")
 
 
 def test_a_batch_too_large_for_memory_is_refused_before_any_row_is_allocated(monkeypatch, capsys):
     monkeypatch.setattr("engines.edge.cli.free_memory", lambda device: 2**30)
     monkeypatch.setattr(matmul, "time_kernels", lambda *args: pytest.fail("measured before the size check"))
-    run = run_main(matmul.main, ["matmul.py", "--batches", "2", "3000000"], monkeypatch, capsys)
+    run = run_main(command(matmul.main), ["matmul.py", "--batches", "2", "3000000"], monkeypatch, capsys)
     assert_refused(run, "matmul.py: error: --batches 3000000 (a step's inputs and outputs) needs ")
 
 
@@ -118,7 +118,7 @@ def test_compiling_without_a_cpp_compiler_is_refused_before_anything_compiles(mo
                                          r"\(apt-get install g\+\+\) or name one in CXX, or run without "
                                          r"compiling \(no compiled step is kept at "):
         FastEngine(CachedGPT(SMALL).eval(), compile=True).generate_batch([1, 2], 2, max_tokens=3)
-    run = run_main(fast_engine.main, ["engine.py", "--compile"], monkeypatch, capsys)
+    run = run_main(command(fast_engine.main), ["engine.py", "--compile"], monkeypatch, capsys)
     assert_refused(run, "engine.py: error: compiling on the CPU needs the C++ compiler")
     assert run[1] == ""
 

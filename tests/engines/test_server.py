@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from helpers import ROOT, assert_refused, run_main
-from support import needs
+from support import command, needs
 
 openai = needs("openai")
 needs("uvicorn")
@@ -404,9 +404,9 @@ def test_serve_refuses_a_port_in_use_or_out_of_range_in_one_line(monkeypatch, ca
     from engines import serve
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        assert_refused(run_main(serve.main, ["serve.py", "--port", port], monkeypatch, capsys),
+        assert_refused(run_main(command(serve.main), ["serve.py", "--port", port], monkeypatch, capsys),
                        f"cannot listen on 127.0.0.1:{port} (Address already in use); pick another with --port")
-    assert_refused(run_main(serve.main, ["serve.py", "--port", 70000], monkeypatch, capsys),
+    assert_refused(run_main(command(serve.main), ["serve.py", "--port", 70000], monkeypatch, capsys),
                    "--port must be in 0..65535, got 70000")
 
 
@@ -419,4 +419,4 @@ def test_serve_refuses_a_port_in_use_or_out_of_range_in_one_line(monkeypatch, ca
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "torch sees no CUDA GPU here; use 'cpu'")]))
 def test_serve_refuses_a_size_it_cannot_run_in_one_line_before_it_loads_anything(flags, message, monkeypatch, capsys):
     from engines import serve
-    assert_refused(run_main(serve.main, ["serve.py", "--port", "0", "--eager", *flags], monkeypatch, capsys), message)
+    assert_refused(run_main(command(serve.main), ["serve.py", "--port", "0", "--eager", *flags], monkeypatch, capsys), message)

@@ -15,7 +15,7 @@ import torch
 from bpe import BPE
 from cached import CachedAttention
 from helpers import TOKENIZER, assert_refused, run_main
-from support import COMPILED, COMPILED_ROWS, compiled_model
+from support import COMPILED, COMPILED_ROWS, command, compiled_model
 from engines.edge.errors import BadValue
 from engines.serving.blocks import PrefixCache, blocks_for_bytes, digests_of
 from engines.fast.decode_step import GraphCache
@@ -496,7 +496,7 @@ def test_serving_check_finds_every_request_equal_to_the_engine_alone(monkeypatch
     """The command docs/serving_engine.md quotes, small: two-turn chats through one engine, each request checked
     against the Engine alone (it exits 1 naming the request where they differ)."""
     from engines.serving import check as serving_check
-    status, out, err = run_main(serving_check.main, ["serving_check", "--chats", "3", "--tokens", "6"], monkeypatch,
+    status, out, err = run_main(command(serving_check.main), ["serving_check", "--chats", "3", "--tokens", "6"], monkeypatch,
                                 capsys)
     assert status == 0, err
     turns = [line for line in out.splitlines() if line.startswith("turn ")]
@@ -515,4 +515,4 @@ def test_the_serving_tools_refuse_a_count_they_cannot_run_in_one_line(tool, flag
     """Before: --chats -1 checked nothing and said every request was equal, --clients 0 hung, --requests -1 ran 10."""
     import importlib
     main = importlib.import_module(f"engines.{tool}").main
-    assert_refused(run_main(main, [tool, *flags], monkeypatch, capsys), f"{tool}: error: {message}")
+    assert_refused(run_main(command(main), [tool, *flags], monkeypatch, capsys), f"{tool}: error: {message}")

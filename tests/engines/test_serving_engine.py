@@ -471,7 +471,7 @@ def test_text_holds_back_partial_characters_and_stops_and_flushes_at_the_end():
 
 def test_the_interface_the_server_reads():
     assert [f.name for f in fields(Request)] == ["id", "prompt", "max_tokens", "seed", "temperature", "top_k",
-                                                  "top_p", "penalty", "stop"]
+                                                  "top_p", "penalty", "stop", "cache_salt"]
     assert [f.name for f in fields(Event)] == ["request_id", "token", "text", "finish_reason", "prompt_tokens",
                                                 "cached_tokens", "completion_tokens"]
     engine = ServingEngine(MODEL, TOK)

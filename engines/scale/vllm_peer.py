@@ -47,8 +47,12 @@ except md.PackageNotFoundError:
     torch = None
 pins = [str(r.specifier) for r in map(Requirement, found.get("requires", []))
         if r.name == "torch" and (r.marker is None or r.marker.evaluate())]
+try:  # PyPI's torchvision is built on the CUDA torch: beside a +cpu torch, vLLM dies importing it
+    clash = "+cpu" in (torch or "") and "+cpu" not in md.version("torchvision")
+except md.PackageNotFoundError:
+    clash = False
 fits = torch is not None and all(Requirement("torch" + p).specifier.contains(torch, prereleases=True) for p in pins)
-print(json.dumps({"vllm": found.get("vllm"), "torch": torch, "pins": pins, "fits": fits}))
+print(json.dumps({"vllm": found.get("vllm"), "torch": torch, "pins": pins, "fits": fits, "clash": clash}))
 """
 
 
@@ -71,6 +75,9 @@ def check_venv(venv):
     if not said["fits"]:
         raise BadValue(f"the vLLM venv {venv} has torch {said['torch']}, but {said['vllm']} needs torch"
                        f"{','.join(said['pins'])}; make it again, apart from this repo's venv: {MAKE}")
+    if said["clash"]:
+        raise BadValue(f"the vLLM venv {venv} holds PyPI's torchvision (a CUDA build) beside torch {said['torch']}: "
+                       f"vLLM dies importing it; {venv}/bin/pip uninstall -y torchvision torchaudio torchcodec")
     return python
 
 

@@ -259,13 +259,17 @@ def vllm_run(python, sessions, args, bpe):
         model, tokenizer = load_pair(args.checkpoint, "tokenizer.json")
         folder = os.path.join(tmp, "holmes-hf")
         write_folder(model, tokenizer, folder)
-        port, cpus = free_port(), f"0-{args.threads - 1}"
+        each = args.threads // args.vllm_dp  # cores a replica: "0-1", or "0|1" for two replicas of one core
+        port = free_port()
+        cpus = "|".join(str(r * each) if each == 1 else f"{r * each}-{r * each + each - 1}" for r in range(args.vllm_dp))
         env = vllm_peer.cpu_env(cpus, args.vllm_kv_gib)
-        print(f"  vllm: VLLM_CPU_OMP_THREADS_BIND={cpus} VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_gib:g} "
-              f"OMP_NUM_THREADS={args.threads}", flush=True)
+        print(f"  vllm: VLLM_CPU_OMP_THREADS_BIND={cpus} VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_gib} "
+              f"OMP_NUM_THREADS={each}" + (f", --data-parallel-size {args.vllm_dp}" if args.vllm_dp > 1 else ""),
+              flush=True)
         with open(os.path.join(tmp, "vllm.log"), "w") as log:
             try:
-                return server_run("vllm", vllm_peer.serve_command(python, folder, "127.0.0.1", port), port,
+                return server_run("vllm", vllm_peer.serve_command(python, folder, "127.0.0.1", port, extra=[
+                    "--data-parallel-size", str(args.vllm_dp)]), port,
                                   sessions, args, bpe, {}, env, log)
             except SystemExit as e:
                 log.flush()
@@ -307,18 +311,20 @@ def main():
     ap.add_argument("--llama-server", default=None, help="the binary engines/bench/build_llama_server.sh built")
     ap.add_argument("--vllm", action="store_true", help="add vLLM's server, from its venv (engines/scale/vllm_peer.py)")
     ap.add_argument("--vllm-venv", default=None, help="default $TINY_GPT_VLLM_VENV, else .venv-vllm")
-    ap.add_argument("--vllm-kv-gib", type=float, default=1.0, help="vLLM's KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size: replicas behind one "
+                                                           "address, the threads split among them")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--skip", default="", help="engines to leave out, comma-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    for name, least in (("clients", 1), ("requests", 1), ("rate", 0.01), ("think", 0), ("max_tokens", 1), ("threads", 1)):
+    for name, least in (("vllm_kv_gib", 1), ("vllm_dp", 1), ("clients", 1), ("requests", 1), ("rate", 0.01), ("think", 0), ("max_tokens", 1), ("threads", 1)):
         check_least("--" + name.replace("_", "-"), getattr(args, name), least)
     if args.vllm:  # before any work: a missing or wrong vLLM venv is one line
         from engines.scale import vllm_peer
         vllm_python = vllm_peer.check_venv(vllm_peer.venv_path(args.vllm_venv))
-        if args.threads > os.cpu_count():
-            raise SystemExit(f"--threads {args.threads}: vLLM binds a thread a core, and this machine has "
-                             f"{os.cpu_count()}")
+        if args.threads > os.cpu_count() or args.threads % args.vllm_dp:
+            raise SystemExit(f"--threads {args.threads}: vLLM binds a thread a core, the same number to each of "
+                             f"--vllm-dp {args.vllm_dp} replicas, and this machine has {os.cpu_count()} cores")
     from engines.edge.figures import machine
     device = device_from(args.device)
     check_dtype(args.dtype, device)
@@ -365,7 +371,7 @@ def main():
                                                      {"repeat_penalty": 1.0, "cache_prompt": True})
             print("  llama-server: done", flush=True)
     if args.vllm:
-        results["vllm"] = vllm_run(vllm_python, sessions, args, bpe)
+        results["vllm" if args.vllm_dp == 1 else f"vllm dp{args.vllm_dp}"] = vllm_run(vllm_python, sessions, args, bpe)
         print("  vllm: done", flush=True)
     print(f"\n{'':<13}{'tok/s':>7} {'ttft p50':>9} {'ttft p95':>9} {'itl p50':>8} {'itl p95':>8} {'tpot p50':>9} "
           f"{'tpot p95':>9} "

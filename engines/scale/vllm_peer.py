@@ -16,6 +16,7 @@ folder vLLM cannot serve (its context, its dtype) and a taken port each stop it 
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -117,10 +118,12 @@ def check_port(host, port):
 
 
 def cpu_env(cpus, kv_gib):
-    """vLLM's CPU knobs: its OpenMP threads bound to the cores `cpus` ("0-1", "2,3"), kv_gib GiB of KV cache."""
+    """vLLM's CPU knobs: its OpenMP threads bound to the cores `cpus` ("0-1", "2,3"; "0|1": one set a data-parallel
+    rank), kv_gib GiB of KV cache (a rank)."""
+    first = cpus.split("|")[0]
     count = sum(int(b) - int(a) + 1 for a, _, b in (part.partition("-") if "-" in part else (part, "", part)
-                                                     for part in cpus.split(",")))
-    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+                                                     for part in first.split(",")))
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_KVCACHE_SPACE": str(int(kv_gib)),
             "OMP_NUM_THREADS": str(count)}
 
 
@@ -138,7 +141,8 @@ def greedy(python, folder, prompts, tokens, cpus="0-1", kv_gib=1, dtype="float32
 
 def last_error(log):
     lines = [line.strip() for line in log.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error" in line]
+    errors = ([line for line in lines if re.search(r"\w+(Error|Exception): ", line)] or
+              [line for line in lines if "Error" in line or "error" in line])
     return (errors or lines or ["no output"])[-1][:300]
 
 
@@ -196,10 +200,12 @@ def main():
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--cpus", default=f"0-{os.cpu_count() - 1}", help="cores vLLM's threads are bound to")
-    ap.add_argument("--kv-gib", type=float, default=1.0, help="GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument("--kv-gib", type=int, default=1, help="GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=256)
     args, extra = ap.parse_known_args()
+    if args.kv_gib < 1:
+        raise BadValue(f"--kv-gib {args.kv_gib}: vLLM's CPU KV cache is whole GiB, at least 1")
     if extra and args.command == "greedy":
         raise BadValue(f"greedy takes no vLLM options ({' '.join(extra)})")
     python = check_venv(venv_path(args.venv))

@@ -20,8 +20,9 @@ engines/serving/openai_request.py's, with "\\nUser:" as a stop), so all three en
                number of slots (-np CLIENTS, -c CLIENTS*256), continuous batching and prompt caching on
   vllm         (--vllm) vLLM's OpenAI server on the float32 export, from its own venv (engines/scale/vllm_peer.py;
                engines/requirements-vllm.txt), its threads bound to cores 0..THREADS-1 (VLLM_CPU_OMP_THREADS_BIND)
-               with --vllm-kv-gib GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), its defaults otherwise (prefix caching
-               on); its start time (launch to /health answering) is printed
+               with --vllm-kv-gib GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), --vllm-dp replicas behind one address
+               (--data-parallel-size), its defaults otherwise (prefix caching on; --enable-prompt-tokens-details,
+               so usage counts the cached tokens); its start time (launch to /health answering) is printed
 
 each in a process of its own, one after another, with the same threads. Printed: generated tok/s over the
 replay's wall time; time to first token and inter-token latency, p50 and p95; each request's time per
@@ -261,7 +262,8 @@ def vllm_run(python, sessions, args, bpe):
         write_folder(model, tokenizer, folder)
         each = args.threads // args.vllm_dp  # cores a replica: "0-1", or "0|1" for two replicas of one core
         port = free_port()
-        cpus = "|".join(str(r * each) if each == 1 else f"{r * each}-{r * each + each - 1}" for r in range(args.vllm_dp))
+        cpus = "|".join(str(r * each) if each == 1 else f"{r * each}-{r * each + each - 1}"
+                        for r in range(args.vllm_dp))
         env = vllm_peer.cpu_env(cpus, args.vllm_kv_gib)
         print(f"  vllm: VLLM_CPU_OMP_THREADS_BIND={cpus} VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_gib} "
               f"OMP_NUM_THREADS={each}" + (f", --data-parallel-size {args.vllm_dp}" if args.vllm_dp > 1 else ""),
@@ -269,7 +271,7 @@ def vllm_run(python, sessions, args, bpe):
         with open(os.path.join(tmp, "vllm.log"), "w") as log:
             try:
                 return server_run("vllm", vllm_peer.serve_command(python, folder, "127.0.0.1", port, extra=[
-                    "--data-parallel-size", str(args.vllm_dp)]), port,
+                    "--data-parallel-size", str(args.vllm_dp), "--enable-prompt-tokens-details"]), port,
                                   sessions, args, bpe, {}, env, log)
             except SystemExit as e:
                 log.flush()
@@ -317,7 +319,8 @@ def main():
     ap.add_argument("--skip", default="", help="engines to leave out, comma-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    for name, least in (("vllm_kv_gib", 1), ("vllm_dp", 1), ("clients", 1), ("requests", 1), ("rate", 0.01), ("think", 0), ("max_tokens", 1), ("threads", 1)):
+    for name, least in (("vllm_kv_gib", 1), ("vllm_dp", 1), ("clients", 1), ("requests", 1), ("rate", 0.01),
+                        ("think", 0), ("max_tokens", 1), ("threads", 1)):
         check_least("--" + name.replace("_", "-"), getattr(args, name), least)
     if args.vllm:  # before any work: a missing or wrong vLLM venv is one line
         from engines.scale import vllm_peer

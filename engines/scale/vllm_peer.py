@@ -153,7 +153,7 @@ def serve_command(python, folder, host, port, name="holmes", dtype="float32", ma
 
 
 def start(python, folder, port, cpus="0-1", kv_gib=1, log=None, host="127.0.0.1", extra=()):
-    """`vllm serve` in a process of its own (its output to the file `log`); (process, seconds until /health answered)."""
+    """`vllm serve` in a process of its own (its output to the file `log`): (process, seconds to /health's 200)."""
     check_port(host, port)
     t0 = time.perf_counter()
     process = subprocess.Popen(serve_command(python, folder, host, port, extra=extra), env=cpu_env(cpus, kv_gib),

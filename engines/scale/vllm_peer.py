@@ -117,6 +117,12 @@ def check_port(host, port):
             raise BadValue(f"port {port} on {host} is taken ({e.strerror}); give another --port") from None
 
 
+def all_cores():
+    """This process's cores as vLLM's binding reads them: "0-1" (a range where they run on, else listed)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
+
+
 def cpu_env(cpus, kv_gib):
     """vLLM's CPU knobs: its OpenMP threads bound to the cores `cpus` ("0-1", "2,3"; "0|1": one set a data-parallel
     rank), kv_gib GiB of KV cache (a rank)."""
@@ -127,11 +133,12 @@ def cpu_env(cpus, kv_gib):
             "OMP_NUM_THREADS": str(count)}
 
 
-def greedy(python, folder, prompts, tokens, cpus="0-1", kv_gib=1, dtype="float32", max_model_len=256):
+def greedy(python, folder, prompts, tokens, cpus=None, kv_gib=1, dtype="float32", max_model_len=256):
     """vLLM's offline LLM in a process of its own: ({"tokens": [[id, ...] per prompt], "start_s", ...}, its log)."""
     request = json.dumps({"folder": os.path.abspath(folder), "prompts": prompts, "tokens": tokens, "dtype": dtype,
                           "max_model_len": max_model_len})
-    done = subprocess.run([python, CHILD], input=request, capture_output=True, text=True, env=cpu_env(cpus, kv_gib))
+    done = subprocess.run([python, CHILD], input=request, capture_output=True, text=True,
+                          env=cpu_env(cpus or all_cores(), kv_gib))
     log = done.stdout + done.stderr
     answers = [line for line in done.stdout.splitlines() if line.startswith('{"tokens"')]
     if done.returncode != 0 or not answers:
@@ -152,12 +159,13 @@ def serve_command(python, folder, host, port, name="holmes", dtype="float32", ma
             "--port", str(port), "--disable-log-stats", "--uvicorn-log-level", "warning", *extra]
 
 
-def start(python, folder, port, cpus="0-1", kv_gib=1, log=None, host="127.0.0.1", extra=()):
+def start(python, folder, port, cpus=None, kv_gib=1, log=None, host="127.0.0.1", extra=()):
     """`vllm serve` in a process of its own (its output to the file `log`): (process, seconds to /health's 200)."""
     check_port(host, port)
     t0 = time.perf_counter()
-    process = subprocess.Popen(serve_command(python, folder, host, port, extra=extra), env=cpu_env(cpus, kv_gib),
-                               stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(serve_command(python, folder, host, port, extra=extra),
+                               env=cpu_env(cpus or all_cores(), kv_gib), stdout=log or subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
     try:
         wait_ready(process, host, port)
     except BaseException:
@@ -199,7 +207,8 @@ def main():
     ap.add_argument("--checkpoint", default="holmes.pt", help="greedy: the checkpoint cached.py runs")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--cpus", default=f"0-{os.cpu_count() - 1}", help="cores vLLM's threads are bound to")
+    ap.add_argument("--cpus", default=all_cores(), help="cores vLLM's threads are bound to (default: all of this "
+                                                        "process's)")
     ap.add_argument("--kv-gib", type=int, default=1, help="GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=256)

@@ -19,7 +19,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -228,10 +227,14 @@ def main():
               flush=True)
         os.execve(python, command, env)  # vLLM's own process from here: its log, its Ctrl-C
     import torch
-    from cached import load
+    from cached import first_difference, load
     from bpe import BPE
     bpe, model = BPE.load("tokenizer.json"), load(args.checkpoint)
     prompts = [bpe.encode(p) for p in PROMPTS]
+    room = args.max_model_len - max(map(len, prompts))
+    if not 1 <= args.tokens <= room:
+        raise BadValue(f"--tokens must be 1 to {room} (the longest prompt has {max(map(len, prompts))} tokens of "
+                       f"--max-model-len {args.max_model_len}), got {args.tokens}")
     answer, _ = greedy(python, args.folder, prompts, args.tokens, args.cpus, args.kv_gib, args.dtype,
                        args.max_model_len)
     print(f"vLLM {answer['vllm']} (torch {answer['torch']}) on {args.folder}, {args.dtype}: LLM built in "
@@ -241,8 +244,9 @@ def main():
         ours = model.generate_cached(torch.tensor([ids]), args.tokens)[0, len(ids):].tolist()
         same = ours == theirs
         differ += not same
+        parted = first_difference(ours, theirs)
         print(f"{text!r}: {args.tokens} greedy tokens " + ("the same as cached.py's" if same else
-              f"part from cached.py's at {next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)}"))
+              f"part from cached.py's at {len(theirs) if parted is None else parted}"))
     if differ:
         raise BadValue(f"vLLM's greedy tokens differ from cached.py's for {differ} of {len(PROMPTS)} prompts")
 

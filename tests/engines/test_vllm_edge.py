@@ -61,6 +61,8 @@ def test_a_venv_without_vllm_or_with_another_torch(tmp_path, monkeypatch, capsys
     ({"max_position_embeddings": None}, [], "gives no context (max_position_embeddings)"),
     ({"dtype": "int8"}, [], "stores its weights as 'int8'"),
     ({}, ["--dtype", "float16"], "--dtype float16: vLLM's CPU build computes in float32 or bfloat16"),
+    ({}, ["--tokens", "500"], "--tokens must be 1 to 241 (the longest prompt has 15 tokens"),
+    ({}, ["--kv-gib", "0"], "--kv-gib 0: vLLM's CPU KV cache is whole GiB, at least 1"),
 ])
 def test_a_folder_vllm_cannot_serve(tmp_path, monkeypatch, capsys, config, argv, message):
     venv = stand_in(tmp_path / "venv", torch_pin=TORCH)

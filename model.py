@@ -10,7 +10,10 @@ cached step. Nothing here is about speed: engines/ applies that from outside.
 """
 import argparse
 import math
+import os
+import pickle
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +39,29 @@ class Config:
     @property
     def head_dim(self):
         return self.d_model // self.n_heads
+
+    @property
+    def n_weights(self):
+        """How many weights GPT(self) has (the head tied to the embedding counted once), known before it is built.
+        int() first: a checkpoint's config is any plain data, and '6' * 10**10 would build a 10 GB string."""
+        V, d, L, H, kv = (int(getattr(self, f)) for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"))
+        return V * d + L * (10 * d * d + 2 * d * kv * (d // H) + 9 * d) + 2 * d
+
+
+def read_checkpoint(path):
+    """A Part 3 checkpoint's dict and its Config, read as data: weights_only=True loads tensors and plain data,
+    never code, and a config describing more weights than the file has bytes is refused before anything is built."""
+    try:
+        with warnings.catch_warnings(action="ignore"):  # torch's note on the pickle protocol: the refusal is one line
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's own message ends by suggesting weights_only=False, which runs the code
+        raise ValueError("Weights only load failed: it is not a torch.save file, or it holds code or objects that "
+                         "are not plain tensors, which are never loaded") from None
+    cfg = Config(**ckpt["config"])
+    if cfg.n_weights > os.path.getsize(path):  # a weight takes a byte at least
+        raise ValueError(f"the model its config describes has {cfg.n_weights:,} weights, more than the "
+                         f"{os.path.getsize(path):,} bytes of the file hold")
+    return ckpt, cfg
 
 
 def rope_freqs(head_dim, device=None):

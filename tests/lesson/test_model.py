@@ -255,7 +255,7 @@ def test_devices_are_checked():
 
 @pytest.mark.parametrize("cfg", [Config(), Config(n_kv_heads=1), Config(vocab_size=300, d_model=64, n_layers=2)])
 def test_the_memory_check_counts_the_weights_the_model_really_has(cfg):
-    assert parameter_count(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+    assert parameter_count(cfg) == cfg.n_weights == sum(p.numel() for p in GPT(cfg).parameters())
 
 
 def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused(tmp_path):

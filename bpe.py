@@ -132,13 +132,14 @@ class BPE:
     def save(self, path, force=False):
         """Part 1's format, through a temporary file and a rename: a cut write leaves the old file whole,
         and an existing file is replaced only with force."""
-        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), prefix=".tokenizer-",
-                                         encoding="utf-8", delete=False) as f:
-            json.dump({"merges": [list(m) for m in self.merges]}, f)
-        try:
+        f = tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), prefix=".tokenizer-",
+                                        encoding="utf-8", delete=False)
+        try:  # removed however this ends, Ctrl-C in json.dump included
+            with f:
+                json.dump({"merges": [list(m) for m in self.merges]}, f)
             (os.replace if force else os.link)(f.name, path)  # os.link never replaces what stands at path
         finally:
-            if os.path.exists(f.name):
+            if os.path.lexists(f.name):
                 os.unlink(f.name)
 
     def _merge_all(self, ids):
@@ -193,6 +194,10 @@ class BPE:
         return out
 
     def decode(self, ids):
+        ids = list(ids)
+        odd = next((repr(i) for i in ids if isinstance(i, bool) or not hasattr(i, "__index__")), None)
+        if odd:  # True, 3.0 or 'a' would otherwise decode as some token, or fail deep inside
+            raise ValueError(f"token id {odd} is not an integer")
         ids = [operator.index(i) for i in ids]
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
@@ -262,10 +267,19 @@ def main():
     args = ap.parse_args()
     if not 256 <= args.vocab <= 256 + MAX_MERGES:
         ap.error(f"--vocab must be in 256..{256 + MAX_MERGES}, got {args.vocab}")
+    if not args.out or os.path.exists(args.out) and not os.path.isfile(args.out):
+        ap.error(f"--out {args.out!r} is not a file to write (a folder, a device or a pipe is never replaced); "
+                 "give a file name")
     if os.path.lexists(args.out) and not args.force:
         ap.error(f"{args.out!r} exists; pass --force to replace it, or another --out")
-    if os.path.exists(args.out) and os.path.samefile(args.out, args.corpus):
+    if os.path.exists(args.out) and os.path.exists(args.corpus) and os.path.samefile(args.out, args.corpus):
         ap.error(f"--out {args.out!r} is the corpus itself; give another path")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    try:  # the folder takes a new file, tried before training: the one test that also holds for root
+        tempfile.NamedTemporaryFile(dir=folder).close()
+    except OSError as e:
+        ap.error(f"cannot write --out {args.out!r}: the folder {folder!r} takes no new file ({e.strerror}); "
+                 "give a path in a writable folder")
     try:
         train(args)
     except (ValueError, OSError) as e:  # the corpus or --out: what the user gave
@@ -273,7 +287,7 @@ def main():
 
 
 def train(args):
-    text = read_corpus(args.corpus)
+    text = read_corpus(args.corpus, "give a UTF-8 text file to train on")
     if not text:
         raise ValueError(f"corpus {args.corpus!r} is empty; give a text to train on")
     t0 = time.time()

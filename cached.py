@@ -8,8 +8,10 @@ token at its true position (rope_at) and attends to the kept keys, unmasked (is_
     python cached.py --break mask     # Gotcha 2 on purpose
 """
 import argparse
+import pickle
 import sys
 import time
+import warnings
 
 import torch
 
@@ -93,14 +95,17 @@ def load(path, device="cpu"):
     """A Part 3 checkpoint as a CachedGPT in eval mode: weights_only=True reads tensors and plain data, never code,
     and strict loading refuses a missing, extra or misshapen weight, each refusal a ValueError naming it."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings(action="ignore"):  # torch's aside on the pickle protocol: one line says it all
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
         model = CachedGPT(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
     except FileNotFoundError:
         raise ValueError(f"no checkpoint at {path!r}; pass a Part 3 .pt file") from None
     except Exception as e:  # whatever torch.load, Config or load_state_dict says of a file that is not Part 3's
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{path!r} is not a loadable Part 3 checkpoint ({reason[:200]})") from None
+        # torch's own unpickling message goes on to suggest weights_only=False, which would run the code
+        reason = ("not a torch.save file, or one holding code or objects besides tensors and plain data"
+                  if isinstance(e, pickle.UnpicklingError) else " ".join(str(e).split())[:200] or type(e).__name__)
+        raise ValueError(f"{path!r} is not a loadable Part 3 checkpoint ({reason})") from None
     return model.to(device).eval()
 
 

@@ -41,7 +41,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     if not 0 <= args.tokens <= 100_000 or not 0 <= args.seed < 2**63:
-        ap.error("--tokens must be in 0..100000 and --seed in 0..2**63 - 1")
+        ap.error(f"--tokens must be in 0..100000 and --seed in 0..2**63 - 1, got {args.tokens} and {args.seed}")
     try:
         model = load(args.checkpoint, args.device)
         tokenizer = load_tokenizer(args.tokenizer, model)

@@ -12,8 +12,8 @@ from engines.edge import cli
 import sample_grid
 from cached import CachedGPT
 from bpe import BPE
-from engines.edge.checkpoint import load_cached, load_checkpoint, load_pair, save_checkpoint
-from engines.edge.cli import check_fits
+from engines.edge.checkpoint import load_cached, load_checkpoint, load_pair, parameter_count, save_checkpoint
+from engines.edge.cli import check_fits, device_from
 from engines.fast import engine as fast_engine
 from helpers import PART3_CONFIG, assert_refused, one_line_exit, part3_state_dict, run_main, small
 from support import command
@@ -180,3 +180,107 @@ def test_a_checkpoint_that_would_block_or_never_end_is_refused_without_reading_i
 
 def test_the_shipped_checkpoint_records_the_shipped_tokenizer():
     assert load_cached("holmes.pt").trained_with == BPE.load("tokenizer.json").record()
+
+
+# the engines' checkpoint reader (engines/edge/checkpoint.py): every way a file can fail to be Part 3's, named
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_heads=0), "config n_heads is 0; expected a whole number >= 1"),
+    (dict(d_model=-8), "config d_model is -8"),
+    (dict(n_layers="6"), "config n_layers is '6'"),
+    (dict(context=None), "config context is None"),
+    (dict(vocab_size=True), "config vocab_size is True"),
+    (dict(dropout=2.0), r"config dropout is 2.0; expected a number in \[0, 1\)"),
+    (dict(d_model=250), "d_model .250. must divide by n_heads"),
+    (dict(d_model=12), "head_dim d_model / n_heads = 3 is odd; RoPE turns channel pairs"),
+    (dict(n_kv_heads=3), r"n_heads by n_kv_heads \(3\)"),
+    (dict(context=10**12), r"config context is 1,000,000,000,000; RoPE's positions are float32, exact only up to "
+                           r"16,777,216 \(2\*\*24\)"),
+    (dict(d_model=65536), r"c.pt: the model its config describes \(6 layers of width 65536.* needs .* GiB"),
+    (dict(n_layers=10**7), r"c.pt: the model its config describes \(10000000 layers.* needs .* GiB"),
+    (dict(vocab_size=2**40), "needs .* GiB, more than half of this machine's"),
+    ({1: 2}, "its config dict has a key 1 that is not a name"),
+])
+def test_bad_config_values_are_named(tmp_path, change, message):
+    torch.save({"model": {}, "config": PART3_CONFIG | change, "step": 0}, tmp_path / "c.pt")
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(tmp_path / "c.pt")
+
+
+@pytest.mark.parametrize("poison, message", [
+    (float("nan"), "holds NaN, infinite or non-float values"),
+    (float("inf"), "holds NaN, infinite or non-float values"),
+    ("not a tensor", "is a str, not a tensor"),
+    (torch.zeros(256).to_sparse(), "is a torch.sparse_coo cpu tensor; a checkpoint holds dense tensors"),
+    (torch.zeros(256, device="meta"), "is a torch.strided meta tensor; a checkpoint holds dense tensors"),
+    (torch.zeros(256, dtype=torch.long), "holds NaN, infinite or non-float values"),
+])
+def test_weights_that_are_not_finite_tensors_are_refused(tmp_path, poison, message):
+    sd = part3_state_dict(PART3_CONFIG)
+    if isinstance(poison, (str, torch.Tensor)):
+        sd["blocks.1.norm2.bias"] = poison
+    else:
+        sd["blocks.1.norm2.bias"][3] = poison
+    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "p.pt")
+    with pytest.raises(ValueError, match=f"'blocks.1.norm2.bias' {message}"):
+        load_checkpoint(tmp_path / "p.pt")
+
+
+def test_config_without_newer_fields_falls_back_to_defaults(tmp_path):
+    small = {"vocab_size": 300, "d_model": 32, "n_heads": 2, "n_layers": 1, "context": 16}
+    torch.save({"model": GPT(Config(**small)).state_dict(), "config": small, "step": 0}, tmp_path / "old.pt")
+    model = load_checkpoint(tmp_path / "old.pt")
+    assert model.cfg.dropout == 0.1 and model.cfg.n_kv_heads == 2
+
+
+@pytest.mark.parametrize("content", [b"plain text, not a checkpoint", None])
+def test_files_that_are_not_checkpoints_get_a_one_line_error(tmp_path, content):
+    path = tmp_path / "x.pt"
+    if content is None:
+        torch.save({"weights": {}}, path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match="x.pt is not a"):
+        load_checkpoint(path)
+
+
+def test_missing_checkpoint_and_unknown_config_field(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.pt not found"):
+        load_checkpoint(tmp_path / "nope.pt")
+    torch.save({"model": {}, "config": {"d_model": 8, "flash": True}, "step": 0}, tmp_path / "odd.pt")
+    with pytest.raises(ValueError, match="unknown config field 'flash'"):
+        load_checkpoint(tmp_path / "odd.pt")
+
+
+def test_devices_are_checked():
+    assert device_from("cpu").type == "cpu"
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        device_from("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            device_from("cuda")
+
+
+@pytest.mark.parametrize("cfg", [Config(), Config(n_kv_heads=1), Config(vocab_size=300, d_model=64, n_layers=2)])
+def test_the_memory_check_counts_the_weights_the_model_really_has(cfg):
+    assert parameter_count(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused(tmp_path):
+    sd = part3_state_dict(PART3_CONFIG) | {7: torch.zeros(1)}
+    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "k.pt")
+    with pytest.raises(ValueError, match="its model dict has a key 7 that is not a name"):
+        load_checkpoint(tmp_path / "k.pt")
+
+
+def test_weights_that_do_not_fit_the_config_name_key_and_shapes(tmp_path):
+    sd = part3_state_dict(PART3_CONFIG)
+    sd["blocks.2.mlp.0.weight"] = torch.zeros(512, 256)
+    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "bad.pt")
+    message = r"'blocks.2.mlp.0.weight' has shape \(512, 256\) but the config needs \(1024, 256\)"
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(tmp_path / "bad.pt")
+    del sd["blocks.2.mlp.0.weight"]
+    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="'blocks.2.mlp.0.weight' is missing"):
+        load_checkpoint(tmp_path / "bad.pt")

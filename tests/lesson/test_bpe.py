@@ -11,7 +11,7 @@ import pytest
 
 import bpe as bpe_module
 from bpe import BPE, SPLIT_PATTERN
-from helpers import INPUTS, ROOT, TEXT, assert_refused, run_main, sha256, special_input
+from helpers import ROOT, TEXT, assert_refused, run_main, sha256, special_input
 
 def naive_train(text, n_merges):
     """Part 1 trained the slow way: recount every pair for every merge."""
@@ -124,11 +124,6 @@ def test_malformed_tokenizer_file_gets_a_one_line_error(tmp_path, content, messa
         BPE.load(path)
 
 
-def test_missing_tokenizer_file_names_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere.json"):
-        BPE.load(tmp_path / "nowhere.json")
-
-
 def test_cli_trains_writes_part1_format_and_refuses_a_missing_corpus(tmp_path, monkeypatch, capsys):
     status, out, err = train_bpe(tmp_path, TEXT.encode(), "--vocab", "300", monkeypatch=monkeypatch, capsys=capsys)
     assert status == 0 and err == "", err
@@ -136,8 +131,10 @@ def test_cli_trains_writes_part1_format_and_refuses_a_missing_corpus(tmp_path, m
     assert BPE.load(tmp_path / "tok.json").merges == naive_train(TEXT, 44)
 
     missing = tmp_path / "missing.txt"
-    status, _, err = train_bpe(tmp_path, missing, monkeypatch=monkeypatch, capsys=capsys)
-    assert status == 1 and err == f"bpe.py: error: corpus {missing} not found\n"
+    status, _, err = train_bpe(tmp_path, missing, "--out", tmp_path / "new.json", monkeypatch=monkeypatch,
+                               capsys=capsys)
+    assert status == 1 and err == f"bpe.py: error: corpus {str(missing)!r} is not a file; give a UTF-8 text file to " \
+                                  "train on\n"
 
 
 def test_an_existing_tokenizer_is_kept_unless_forced(tmp_path, monkeypatch, capsys, shipped_unchanged):
@@ -145,7 +142,7 @@ def test_an_existing_tokenizer_is_kept_unless_forced(tmp_path, monkeypatch, caps
     for out in (os.path.join(ROOT, "tokenizer.json"), tmp_path / "mine.json"):
         before = sha256(out)
         run = train_bpe(tmp_path, TEXT.encode(), "--vocab", "300", "--out", out, monkeypatch=monkeypatch, capsys=capsys)
-        assert_refused(run, "already exists; pass --force")
+        assert_usage_error(run, f"{str(out)!r} exists; pass --force to replace it, or another --out")
         assert sha256(out) == before
     status, _, err = train_bpe(tmp_path, TEXT.encode(), "--vocab", "300", "--out", tmp_path / "mine.json", "--force",
                                monkeypatch=monkeypatch, capsys=capsys)
@@ -158,6 +155,7 @@ def test_an_existing_tokenizer_is_kept_unless_forced(tmp_path, monkeypatch, caps
     ([True], "token id True is not an integer"),
     ([3.0], "token id 3.0 is not an integer"),
     (["a"], "token id 'a' is not an integer"),
+    ([None], "token id None is not an integer"),
 ])
 def test_decode_refuses_ids_it_does_not_have(ids, message):
     with pytest.raises(ValueError, match=message):
@@ -175,13 +173,21 @@ def test_decode_accepts_integer_likes():
     ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     (json.dumps({"merges": [[97, 97]] + [[256 + i, 256 + i] for i in range(40)]}), "builds a token of"),
     (json.dumps({"merges": [[0, 0]] * 70_000}), "at most 65,280 fit uint16 ids"),
-    ('{"merges": [[' + "9" * 5000 + ", 2]]}", "t.json holds a value JSON cannot be read into .*4300 digits"),
+    ('{"merges": [[' + "9" * 5000 + ", 2]]}", "t.json' holds a value JSON cannot be read into .*4300 digits"),
 ])
 def test_hostile_tokenizer_files_are_refused_with_a_reason(tmp_path, content, message):
     path = tmp_path / "t.json"
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
-        BPE.load(path)
+        BPE.load(str(path))
+
+
+def assert_usage_error(run, message):
+    """argparse's refusal, as parser.error gives it: status 2, the usage, then one line naming what is wrong."""
+    status, out, err = run
+    assert status == 2 and out == "" and "Traceback" not in err, err
+    assert err.startswith("usage: bpe.py") and err.splitlines()[-1].startswith("bpe.py: error: "), err
+    assert message in err.splitlines()[-1], err
 
 
 def train_bpe(tmp_path, corpus, *args, monkeypatch, capsys):
@@ -268,24 +274,31 @@ def test_an_empty_corpus_is_refused_before_writing(tmp_path, vocab, monkeypatch,
     (tmp_path / "tok.json").write_text('{"merges": [[104, 105]]}')
     before = sha256(tmp_path / "tok.json")
     run = train_bpe(tmp_path, b"", "--vocab", vocab, "--force", monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(run, "corpus.txt is empty; give a text to train on")
+    assert_refused(run, "corpus.txt' is empty; give a text to train on")
     assert sha256(tmp_path / "tok.json") == before
 
 
-@pytest.mark.parametrize("kind, message", INPUTS)
+# /dev/zero would never end, a fifo would block until a writer comes: none is read
+SPECIAL = [(kind, "is not a file") for kind in ("dev-zero", "link-to-dev-zero", "fifo", "folder", "missing")] + \
+    [("too-big", "is larger than 1,000 bytes")]
+
+
+@pytest.mark.parametrize("kind, message", SPECIAL)
 def test_a_corpus_that_is_not_a_bounded_regular_file_is_refused(tmp_path, kind, message, monkeypatch, capsys,
                                                                  shipped_unchanged):
     monkeypatch.setattr(bpe_module, "MAX_CORPUS_BYTES", 1000)
-    run = train_bpe(tmp_path, special_input(tmp_path, kind), monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(run, f"bpe.py: error: corpus {special_input(tmp_path, kind) if kind == 'dev-zero' else ''}")
-    assert message in run[2] and not (tmp_path / "tok.json").exists()
+    path = special_input(tmp_path, kind)
+    run = train_bpe(tmp_path, path, monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, f"bpe.py: error: corpus {str(path)!r} {message}; give a UTF-8 text file to train on")
+    assert not (tmp_path / "tok.json").exists()
 
 
-@pytest.mark.parametrize("kind, message", INPUTS)
+@pytest.mark.parametrize("kind, message", SPECIAL)
 def test_a_tokenizer_file_that_is_not_a_bounded_regular_file_is_refused(tmp_path, kind, message, monkeypatch):
     monkeypatch.setattr(bpe_module, "MAX_TOKENIZER_BYTES", 1000)
-    with pytest.raises((ValueError, FileNotFoundError), match=f"^tokenizer file .*{re.escape(message)}"):
-        BPE.load(special_input(tmp_path, kind))
+    path = str(special_input(tmp_path, kind))
+    with pytest.raises(ValueError, match=f"^tokenizer file {re.escape(repr(path))} {message}; pass a Part 1"):
+        BPE.load(path)
 
 
 def forbid_training(monkeypatch):
@@ -294,24 +307,25 @@ def forbid_training(monkeypatch):
     monkeypatch.setattr(BPE, "train", train)
 
 
-@pytest.mark.parametrize("out, message", [
-    ("", "the output path is empty"),
-    ("{tmp}", "is a folder; give a file name"),
-    ("{tmp}/missing/tok.json", "missing does not exist"),
-    ("/sys/tok.json", "the folder /sys is not writable"),  # refuses even root
-    ("{tmp}/victim.json", "victim.json already exists; pass --force"),
-    ("{tmp}/link.json", "link.json already exists; pass --force"),
+@pytest.mark.parametrize("out, flags, message", [
+    ("", ["--force"], "--out '' is not a file to write"),
+    ("{tmp}", ["--force"], "is not a file to write (a folder, a device or a pipe is never replaced); give a file name"),
+    ("/dev/null", ["--force"], "--out '/dev/null' is not a file to write"),
+    ("{tmp}/missing/tok.json", ["--force"], "missing' takes no new file (No such file or directory)"),
+    ("/sys/tok.json", ["--force"], "the folder '/sys' takes no new file"),  # refuses even root
+    ("{tmp}/victim.json", [], "victim.json' exists; pass --force"),
+    ("{tmp}/link.json", [], "link.json' exists; pass --force"),
 ])
 def test_an_output_that_cannot_or_must_not_be_written_is_refused_before_training(
-        tmp_path, out, message, monkeypatch, capsys, shipped_unchanged):
+        tmp_path, out, flags, message, monkeypatch, capsys, shipped_unchanged):
     (tmp_path / "corpus.txt").write_text(TEXT)
     (tmp_path / "victim.json").write_text('{"merges": [[104, 105]]}')
     (tmp_path / "link.json").symlink_to(tmp_path / "victim.json")
     before = sha256(tmp_path / "victim.json")
     forbid_training(monkeypatch)
-    run = train_bpe(tmp_path, tmp_path / "corpus.txt", "--vocab", "300", "--out", out.format(tmp=tmp_path),
+    run = train_bpe(tmp_path, tmp_path / "corpus.txt", *flags, "--out", out.format(tmp=tmp_path),
                     monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(run, message)
+    assert_usage_error(run, message)
     assert sha256(tmp_path / "victim.json") == before and (tmp_path / "link.json").is_symlink()
 
 
@@ -334,29 +348,25 @@ def test_no_link_at_the_output_or_at_a_temporary_name_is_written_through(tmp_pat
     assert not (tmp_path / "tok.json").is_symlink() and len(BPE.load(tmp_path / "tok.json").merges) == 44
 
 
-def test_an_interrupted_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch, capsys,
-                                                                        shipped_unchanged):
+def test_an_interrupted_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch, shipped_unchanged):
     (tmp_path / "corpus.txt").write_text(TEXT)
     (tmp_path / "tok.json").write_text('{"merges": [[104, 105]]}')
     before = sha256(tmp_path / "tok.json")
 
     def cut(data, f):
         f.write('{"merges": [[')
-        raise KeyboardInterrupt  # what run_cli makes of SIGTERM or Ctrl-C
+        raise KeyboardInterrupt  # Ctrl-C halfway through the write
     monkeypatch.setattr(json, "dump", cut)
-    run = train_bpe(tmp_path, tmp_path / "corpus.txt", "--vocab", "300", "--force", monkeypatch=monkeypatch,
-                    capsys=capsys)
-    assert run[0] == 1 and run[2].strip() == "bpe.py: interrupted; nothing half-written was left behind"
+    argv = ["bpe.py", tmp_path / "corpus.txt", "--vocab", "300", "--out", tmp_path / "tok.json", "--force"]
+    monkeypatch.setattr("sys.argv", [str(a) for a in argv])
+    with pytest.raises(KeyboardInterrupt):
+        bpe_module.main()
     assert sha256(tmp_path / "tok.json") == before
     assert sorted(os.listdir(tmp_path)) == ["corpus.txt", "tok.json"]
 
 
-def test_training_shows_progress_through_the_shared_progress_line(monkeypatch):
-    calls = []
-    monkeypatch.setattr(bpe_module, "show_progress", lambda *args: calls.append(args))
-    BPE.train(TEXT, 300, progress=True)
-    assert [(label, done, total) for label, done, total, _ in calls] == \
-        [("merges", i, 44) for i in range(1, 45)] + [("merges", 44, 44)]
-    calls.clear()
-    BPE.train("ab", 300, progress=True)  # runs out of pairs: the line is still cleared
-    assert [(label, done, total) for label, done, total, _ in calls] == [("merges", 1, 44), ("merges", 44, 44)]
+def test_training_shows_its_progress_on_stderr(capsys):
+    bpe = BPE.train(random_text(5, "abcdefghijklmnop ", 20_000), 256 + 600, progress=True)
+    out, err = capsys.readouterr()
+    assert bpe.vocab_size == 256 + 600 and out == ""
+    assert [line.split(" in ")[0] for line in err.splitlines()] == ["merges: 256/600", "merges: 512/600"]

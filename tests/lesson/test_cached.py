@@ -177,7 +177,7 @@ def test_bad_flags_are_named_by_argparse(args, message, monkeypatch, capsys):
      "is not a loadable Part 3 checkpoint (Error(s) in loading state_dict"),
     (lambda d: torch.save({"config": {"d_modle": 64}, "model": {}}, d / "odd.pt") or d / "odd.pt",
      "unexpected keyword argument 'd_modle'"),
-    (lambda d: torch.save({"model": print}, d / "code.pt") or d / "code.pt", "Weights only load failed"),
+    (lambda d: torch.save({"model": print}, d / "code.pt") or d / "code.pt", "one holding code or objects"),
 ])
 def test_a_file_that_is_not_a_part3_checkpoint_is_one_line_and_exit_1(tmp_path, make, message, monkeypatch, capsys):
     path = make(tmp_path)

@@ -1,4 +1,4 @@
-"""model.py is Part 3's GPT: its keys, its numbers, its checkpoints, its errors."""
+"""model.py is Part 3's GPT: its keys, its numbers, its checkpoints (read by cached.load), its errors."""
 import math
 import pickle
 
@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from dataclasses import dataclass
 
 import cached
-from engines.edge.cli import device_from
-from engines.edge.checkpoint import load_checkpoint, parameter_count, save_checkpoint
+from cached import load
 from model import GPT, Config, check_finite
 from helpers import PART3_CONFIG, assert_refused, part3_state_dict, run_main
+
 
 def reference_forward(sd, cfg, idx):
     """The forward pass written out by hand, RoPE as complex rotation, mask as -inf."""
@@ -57,7 +57,7 @@ def test_parameter_budget_is_part3s():
 
 
 def test_part3_checkpoint_loads_strict_and_matches_a_hand_written_forward(part3_file):
-    model = load_checkpoint(part3_file)
+    model = load(part3_file)
     assert not model.training and model.cfg.n_kv_heads == 4
     idx = torch.randint(4096, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -68,7 +68,7 @@ def test_part3_checkpoint_loads_strict_and_matches_a_hand_written_forward(part3_
 
 
 def test_loss_is_the_mean_negative_log_likelihood_of_the_hand_written_forward(part3_file):
-    model = load_checkpoint(part3_file)
+    model = load(part3_file)
     idx = torch.randint(4096, (2, 33), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, loss = model(idx[:, :-1], idx[:, 1:])
@@ -115,7 +115,7 @@ def test_generate_reruns_the_last_context_tokens_for_every_new_token():
 
 
 def test_shipped_checkpoint_loads():
-    model = load_checkpoint("holmes.pt")
+    model = load("holmes.pt")
     assert sum(p.numel() for p in model.parameters()) == 5_781_504
 
 
@@ -130,147 +130,29 @@ class Part3Config:
     dropout: float = 0.1
 
 
-def test_every_checkpoint_this_repo_ships_or_writes_loads_in_part3s_loader(tmp_path):
-    torch.manual_seed(0)
-    save_checkpoint(GPT(Config(vocab_size=300, d_model=32, n_heads=2, n_layers=1, context=16)), tmp_path / "a.pt", 3)
-    paths = ["holmes.pt", tmp_path / "a.pt"]
-    for path in paths:
-        ckpt = torch.load(path, weights_only=True)
-        cfg = Part3Config(**ckpt["config"])
-        # Part 3 reads model, config and step; the tokenizer record sits beside them, outside config
-        assert set(ckpt) - {"tokenizer"} == {"model", "config", "step"} and isinstance(ckpt["step"], int)
-        assert ckpt["model"]["head.weight"].shape == (cfg.vocab_size, cfg.d_model)
-    gqa = GPT(Config(vocab_size=300, d_model=32, n_heads=2, n_kv_heads=1, n_layers=1, context=16))
-    save_checkpoint(gqa, tmp_path / "gqa.pt", 0)
-    assert torch.load(tmp_path / "gqa.pt", weights_only=True)["config"]["n_kv_heads"] == 1
-    assert load_checkpoint(tmp_path / "gqa.pt").cfg.n_kv_heads == 1
+def test_the_shipped_checkpoint_loads_in_part3s_loader():
+    ckpt = torch.load("holmes.pt", weights_only=True)
+    cfg = Part3Config(**ckpt["config"])
+    # Part 3 reads model, config and step; the tokenizer record sits beside them, outside config
+    assert set(ckpt) - {"tokenizer"} == {"model", "config", "step"} and isinstance(ckpt["step"], int)
+    assert ckpt["model"]["head.weight"].shape == (cfg.vocab_size, cfg.d_model)
 
 
 def test_the_shipped_checkpoint_holds_part3_fields_only():
     assert torch.load("holmes.pt", weights_only=True)["config"] == PART3_CONFIG
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(n_heads=0), "config n_heads is 0; expected a whole number >= 1"),
-    (dict(d_model=-8), "config d_model is -8"),
-    (dict(n_layers="6"), "config n_layers is '6'"),
-    (dict(context=None), "config context is None"),
-    (dict(vocab_size=True), "config vocab_size is True"),
-    (dict(dropout=2.0), r"config dropout is 2.0; expected a number in \[0, 1\)"),
-    (dict(d_model=250), "d_model .250. must divide by n_heads"),
-    (dict(d_model=12), "head_dim d_model / n_heads = 3 is odd; RoPE turns channel pairs"),
-    (dict(n_kv_heads=3), r"n_heads by n_kv_heads \(3\)"),
-    (dict(context=10**12), r"config context is 1,000,000,000,000; RoPE's positions are float32, exact only up to "
-                           r"16,777,216 \(2\*\*24\)"),
-    (dict(d_model=65536), r"c.pt: the model its config describes \(6 layers of width 65536.* needs .* GiB"),
-    (dict(n_layers=10**7), r"c.pt: the model its config describes \(10000000 layers.* needs .* GiB"),
-    (dict(vocab_size=2**40), "needs .* GiB, more than half of this machine's"),
-    ({1: 2}, "its config dict has a key 1 that is not a name"),
-])
-def test_bad_config_values_are_named(tmp_path, change, message):
-    torch.save({"model": {}, "config": PART3_CONFIG | change, "step": 0}, tmp_path / "c.pt")
-    with pytest.raises(ValueError, match=message):
-        load_checkpoint(tmp_path / "c.pt")
-
-
-@pytest.mark.parametrize("poison, message", [
-    (float("nan"), "holds NaN, infinite or non-float values"),
-    (float("inf"), "holds NaN, infinite or non-float values"),
-    ("not a tensor", "is a str, not a tensor"),
-    (torch.zeros(256).to_sparse(), "is a torch.sparse_coo cpu tensor; a checkpoint holds dense tensors"),
-    (torch.zeros(256, device="meta"), "is a torch.strided meta tensor; a checkpoint holds dense tensors"),
-    (torch.zeros(256, dtype=torch.long), "holds NaN, infinite or non-float values"),
-])
-def test_weights_that_are_not_finite_tensors_are_refused(tmp_path, poison, message):
-    sd = part3_state_dict(PART3_CONFIG)
-    if isinstance(poison, (str, torch.Tensor)):
-        sd["blocks.1.norm2.bias"] = poison
-    else:
-        sd["blocks.1.norm2.bias"][3] = poison
-    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "p.pt")
-    with pytest.raises(ValueError, match=f"'blocks.1.norm2.bias' {message}"):
-        load_checkpoint(tmp_path / "p.pt")
-
-
 def test_code_in_a_checkpoint_is_refused_without_torchs_retry_hint(tmp_path, monkeypatch, capsys):
     path = tmp_path / "evil.pt"
     path.write_bytes(pickle.dumps(Payload()))
     run = run_main(cached.main, ["cached.py", path], monkeypatch, capsys)
-    assert_refused(run, "holds code or objects that are not plain tensors")
+    assert_refused(run, "one holding code or objects besides tensors and plain data")
     assert "code ran" not in run[1] and "weights_only" not in run[2]
-
-
-def test_config_without_newer_fields_falls_back_to_defaults(tmp_path):
-    small = {"vocab_size": 300, "d_model": 32, "n_heads": 2, "n_layers": 1, "context": 16}
-    torch.save({"model": GPT(Config(**small)).state_dict(), "config": small, "step": 0}, tmp_path / "old.pt")
-    model = load_checkpoint(tmp_path / "old.pt")
-    assert model.cfg.dropout == 0.1 and model.cfg.n_kv_heads == 2
-
-
-def test_weights_that_do_not_fit_the_config_name_key_and_shapes(tmp_path):
-    sd = part3_state_dict(PART3_CONFIG)
-    sd["blocks.2.mlp.0.weight"] = torch.zeros(512, 256)
-    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "bad.pt")
-    message = r"'blocks.2.mlp.0.weight' has shape \(512, 256\) but the config needs \(1024, 256\)"
-    with pytest.raises(ValueError, match=message):
-        load_checkpoint(tmp_path / "bad.pt")
-    del sd["blocks.2.mlp.0.weight"]
-    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match="'blocks.2.mlp.0.weight' is missing"):
-        load_checkpoint(tmp_path / "bad.pt")
 
 
 class Payload:
     def __reduce__(self):
         return (print, ("code ran",))
-
-
-@pytest.mark.parametrize("content", [b"plain text, not a checkpoint", pickle.dumps(Payload()), None])
-def test_files_that_are_not_checkpoints_get_a_one_line_error(tmp_path, content):
-    path = tmp_path / "x.pt"
-    if content is None:
-        torch.save({"weights": {}}, path)
-    else:
-        path.write_bytes(content)
-    with pytest.raises(ValueError, match="x.pt is not a"):
-        load_checkpoint(path)
-
-
-def test_missing_checkpoint_and_unknown_config_field(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.pt not found"):
-        load_checkpoint(tmp_path / "nope.pt")
-    torch.save({"model": {}, "config": {"d_model": 8, "flash": True}, "step": 0}, tmp_path / "odd.pt")
-    with pytest.raises(ValueError, match="unknown config field 'flash'"):
-        load_checkpoint(tmp_path / "odd.pt")
-
-
-def test_devices_are_checked():
-    assert device_from("cpu").type == "cpu"
-    with pytest.raises(ValueError, match="unknown device 'tpu'"):
-        device_from("tpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="no CUDA GPU"):
-            device_from("cuda")
-
-
-@pytest.mark.parametrize("cfg", [Config(), Config(n_kv_heads=1), Config(vocab_size=300, d_model=64, n_layers=2)])
-def test_the_memory_check_counts_the_weights_the_model_really_has(cfg):
-    assert parameter_count(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
-
-
-def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused(tmp_path):
-    sd = part3_state_dict(PART3_CONFIG) | {7: torch.zeros(1)}
-    torch.save({"model": sd, "config": PART3_CONFIG, "step": 0}, tmp_path / "k.pt")
-    with pytest.raises(ValueError, match="its model dict has a key 7 that is not a name"):
-        load_checkpoint(tmp_path / "k.pt")
-
-
-def test_a_huge_config_in_a_tiny_file_is_refused_before_anything_is_built(tmp_path, monkeypatch,
-                                                                                          capsys):
-    torch.save({"model": {}, "config": dict(PART3_CONFIG, d_model=65536), "step": 0}, tmp_path / "huge.pt")
-    assert (tmp_path / "huge.pt").stat().st_size < 2000
-    assert_refused(run_main(cached.main, ["cached.py", tmp_path / "huge.pt"], monkeypatch, capsys),
-                   "the model its config describes")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -281,3 +163,21 @@ def test_check_finite_catches_one_bad_score_anywhere_and_passes_finite_extremes(
     scores[1, 4000] = bad
     with pytest.raises(ValueError, match="scores for new token 7 are NaN or infinite"):
         check_finite(scores, 7)
+
+
+def test_a_checkpoint_that_is_not_part3s_is_refused_in_one_line_naming_the_file(tmp_path):
+    sd = part3_state_dict(PART3_CONFIG)
+    sd["blocks.2.mlp.0.weight"] = torch.zeros(512, 256)
+    for name, content in [("shape.pt", {"model": sd, "config": PART3_CONFIG, "step": 0}),
+                          ("odd.pt", {"model": {}, "config": {"d_model": 8, "flash": True}, "step": 0}),
+                          ("no-model.pt", {"weights": {}})]:
+        torch.save(content, tmp_path / name)
+    (tmp_path / "text.pt").write_text("plain text, not a checkpoint")
+    for name, reason in [("shape.pt", "size mismatch for blocks.2.mlp.0.weight"), ("odd.pt", "'flash'"),
+                         ("no-model.pt", "'config'"), ("text.pt", "")]:
+        with pytest.raises(ValueError, match=f"{name}' is not a loadable Part 3 checkpoint .*{reason}") as refused:
+            load(str(tmp_path / name))
+        assert len(str(refused.value).splitlines()) == 1
+    with pytest.raises(ValueError, match="no checkpoint at .*nope.pt'; pass a Part 3 .pt file"):
+        load(str(tmp_path / "nope.pt"))
+

@@ -12,7 +12,6 @@ import cached
 import model as model_py
 from bpe import BPE
 from cached import CachedGPT, Config, load
-from engines.edge.checkpoint import load_checkpoint
 from helpers import SMALL, uncached_choices
 from sample_grid import SETTINGS
 from sampling import pick
@@ -216,4 +215,4 @@ def test_load_takes_a_device_and_the_model_scores_like_part3s_loader(shipped):
         out = on_cpu(x)
         assert isinstance(out, tuple)
         torch.testing.assert_close(out[0], part3_model("holmes.pt")(x)[0])
-    assert isinstance(load_checkpoint("holmes.pt"), model_py.GPT)
+    assert isinstance(on_cpu, model_py.GPT)

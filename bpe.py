@@ -137,6 +137,9 @@ class BPE:
         try:  # removed however this ends, Ctrl-C in json.dump included
             with f:
                 json.dump({"merges": [list(m) for m in self.merges]}, f)
+            umask = os.umask(0o022)  # read back as it is set: the only way to read it
+            os.umask(umask)
+            os.chmod(f.name, 0o666 & ~umask)  # as open() would make it, not the temporary's private 0600
             (os.replace if force else os.link)(f.name, path)  # os.link never replaces what stands at path
         finally:
             if os.path.lexists(f.name):

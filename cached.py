@@ -1,23 +1,18 @@
-"""A KV cache for the Part 3 GPT, added without retraining, and its proof.
-
-The prompt runs once and leaves each layer's keys and values in the post's dict; each later step feeds one
-token at its true position (rope_at) and attends to the kept keys, unmasked (is_causal=T > 1).
+"""A KV cache for the Part 3 GPT, added without retraining, and its proof. The prompt runs once and leaves each
+layer's keys and values in the post's dict; each later step feeds one token at its true position.
 
     python cached.py [CHECKPOINT] [--prompt TEXT] [--tokens 600]   # cached equals uncached inside the window
-    python cached.py --break rope     # Gotcha 1 on purpose: after how many of 100 tokens it drifts
-    python cached.py --break mask     # Gotcha 2 on purpose
+    python cached.py --break rope|mask     # Gotcha 1 or 2 on purpose: after how many of 100 tokens it drifts
 """
 import argparse
 import pickle
 import sys
-import time
 import warnings
 
 import torch
 
 from bpe import BPE
-# Config too: the series' scripts import it from here (`from cached import CachedGPT, Config`).
-from model import GPT, Config, RoPEAttention, check_finite, greedy, in_training, rope_at  # noqa: F401
+from model import GPT, Config, RoPEAttention, check_finite, greedy, in_training, rope_at  # noqa: F401 (the series')
 
 
 class CachedAttention(RoPEAttention):
@@ -29,8 +24,7 @@ class CachedAttention(RoPEAttention):
         """With no cache this is Part 3's attention, so model(idx) still works."""
         T = x.shape[1]
         q, k, v = self.heads(x)
-        # Gotcha 1: rotate the new tokens at their true positions; from 0, each new token would
-        # look like the start of the text, and its distance to every cached key would be wrong.
+        # Gotcha 1: rotate the new tokens at their true positions; from 0, each would look like the text's start
         q, k = rope_at(q, start), rope_at(k, start)
         if cache is not None:
             if "k" in cache:
@@ -39,8 +33,7 @@ class CachedAttention(RoPEAttention):
                 v = torch.cat([cache["v"], v], dim=2)
             # keep the last `context`; this step still attends to all it has (context + 1 past the window)
             cache["k"], cache["v"] = k[:, :, -self.context:], v[:, :, -self.context:]
-        # Gotcha 2: SDPA's causal mask is aligned top-left; with one query it would hide every
-        # key but the first, so mask only the prompt's many queries.
+        # Gotcha 2: SDPA's causal mask is aligned top-left: one query would see only the first key
         return self.attend(q, k, v, is_causal=T > 1)
 
 
@@ -56,7 +49,7 @@ class AlwaysCausal(CachedAttention):
         return super().attend(q, k, v, True, attn_mask)
 
 
-GOTCHAS = {"rope": RopeFromZero, "mask": AlwaysCausal}  # --break NAME
+GOTCHAS = {"rope": RopeFromZero, "mask": AlwaysCausal}  # --break NAME: the same weights, a broken attention
 
 
 class CachedGPT(GPT):
@@ -92,8 +85,7 @@ class CachedGPT(GPT):
 
 
 def load(path, device="cpu"):
-    """A Part 3 checkpoint as a CachedGPT in eval mode: weights_only=True reads tensors and plain data, never code,
-    and strict loading refuses a missing, extra or misshapen weight, each refusal a ValueError naming it."""
+    """A Part 3 checkpoint as a CachedGPT in eval mode, read as data (weights_only=True), strictly; else ValueError."""
     try:
         with warnings.catch_warnings(action="ignore"):  # torch's aside on the pickle protocol: one line says it all
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -102,28 +94,22 @@ def load(path, device="cpu"):
     except FileNotFoundError:
         raise ValueError(f"no checkpoint at {path!r}; pass a Part 3 .pt file") from None
     except Exception as e:  # whatever torch.load, Config or load_state_dict says of a file that is not Part 3's
-        # torch's own unpickling message goes on to suggest weights_only=False, which would run the code
-        reason = ("not a torch.save file, or one holding code or objects besides tensors and plain data"
-                  if isinstance(e, pickle.UnpicklingError) else " ".join(str(e).split())[:200] or type(e).__name__)
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        if isinstance(e, pickle.UnpicklingError):  # torch's message would suggest weights_only=False: running code
+            reason = "not a torch.save file, or one holding code or objects besides tensors and plain data"
         raise ValueError(f"{path!r} is not a loadable Part 3 checkpoint ({reason})") from None
     return model.to(device).eval()
 
 
-def load_tokenizer(path, model):
-    """Part 1's tokenizer, refused if its vocabulary is not the model's."""
-    tokenizer = BPE.load(path)
-    if tokenizer.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"{path!r} has {tokenizer.vocab_size} tokens but the model a vocabulary of "
-                         f"{model.cfg.vocab_size}; give the tokenizer it was trained with (--tokenizer)")
-    return tokenizer
-
-
-def encode(tokenizer, text, model):
-    """The prompt's ids (1, T) on the model's device."""
-    ids = tokenizer.encode(text)
-    if not ids:
+def tokenize(path, text, model):
+    """Part 1's tokenizer (refused unless its vocabulary is the model's) and the prompt's last `context` ids (1, T)."""
+    tokenizer, vocab = BPE.load(path), model.cfg.vocab_size
+    if tokenizer.vocab_size != vocab:
+        raise ValueError(f"{path!r} has {tokenizer.vocab_size} tokens but the model a vocabulary of {vocab}; "
+                         "give the tokenizer it was trained with (--tokenizer)")
+    if not (ids := tokenizer.encode(text)[-model.cfg.context:]):
         raise ValueError("the prompt is empty; give at least one character")
-    return torch.tensor([ids], device=model.emb.weight.device)
+    return tokenizer, torch.tensor([ids], device=model.emb.weight.device)
 
 
 def first_difference(a, b):
@@ -131,34 +117,16 @@ def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def exact_tokens(context, n_prompt):
-    """The generated tokens the cache must reproduce exactly: those the uncached loop makes seeing the whole text."""
-    return context - min(n_prompt, context) + 1
-
-
 def prove(model, prompt, n_tokens):
-    runs = {}
-    for label, generate in (("cached", model.generate_cached), ("uncached", model.generate_uncached)):
-        t0 = time.time()
-        runs[label] = generate(prompt, n_tokens)[0].tolist()
-        seconds = time.time() - t0
-        print(f"{label + ':':<10}{n_tokens} tokens in {seconds:5.1f}s ({n_tokens / seconds:,.0f} tok/s)")
-    exact = min(n_tokens, exact_tokens(model.cfg.context, prompt.shape[1]))
-    diff, n = first_difference(runs["cached"], runs["uncached"]), len(runs["cached"])
-    if diff is not None and diff < prompt.shape[1] + exact:
-        sys.exit(f"cached.py: FAILED: cached and uncached differ at position {diff}, "
-                 f"inside the first {exact} generated tokens")
+    cached = model.generate_cached(prompt, n_tokens)[0].tolist()
+    uncached = model.generate_uncached(prompt, n_tokens)[0].tolist()  # the speed of each: bench.py
+    # the tokens the uncached loop makes while it sees the whole text: those must be the same
+    exact = min(n_tokens, model.cfg.context - prompt.shape[1] + 1)
+    if (diff := first_difference(cached, uncached)) is not None and diff < prompt.shape[1] + exact:
+        sys.exit(f"cached.py: FAILED: cached and uncached differ at position {diff}, inside the first {exact} tokens")
     print(f"the first {exact} generated tokens are identical (the uncached loop sees the whole text that far)")
-    print(f"after that: no difference in all {n} positions" if diff is None else
-          f"after that: first difference at position {diff} of {n}")
-
-
-def drift(model, prompt, name, n_tokens=100):
-    """After how many greedy tokens the broken variant, on the same weights, parts from the correct one (None: never)."""
-    broken = CachedGPT(model.cfg, GOTCHAS[name]).to(model.emb.weight.device).eval()
-    broken.load_state_dict(model.state_dict())
-    correct, wrong = (m.generate_cached(prompt, n_tokens)[0, prompt.shape[1]:].tolist() for m in (model, broken))
-    return first_difference(correct, wrong)
+    print(f"after that: no difference in all {len(cached)} positions" if diff is None else
+          f"after that: first difference at position {diff} of {len(cached)}")
 
 
 def main():
@@ -174,11 +142,14 @@ def main():
         ap.error(f"--tokens must be in 0..100000, got {args.tokens}")
     try:
         model = load(args.checkpoint, args.device)
-        prompt = encode(load_tokenizer(args.tokenizer, model), args.prompt, model)
+        prompt = tokenize(args.tokenizer, args.prompt, model)[1]
         print(f"{args.checkpoint}, prompt {args.prompt!r} ({prompt.shape[1]} tokens), greedy, {args.device}")
         if args.broken is None:
             return prove(model, prompt, args.tokens)
-        diff = drift(model, prompt, args.broken)
+        broken = CachedGPT(model.cfg, GOTCHAS[args.broken]).to(args.device).eval()
+        broken.load_state_dict(model.state_dict())
+        right, wrong = (m.generate_cached(prompt, 100)[0, prompt.shape[1]:].tolist() for m in (model, broken))
+        diff = first_difference(right, wrong)
     except ValueError as e:
         sys.exit(f"cached.py: error: {e}")
     verdict = "never drifts" if diff is None else f"drifts from the correct cached output after {diff} tokens"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 import sampling
-from cached import encode, load, load_tokenizer
+from cached import load, tokenize
 from model import check_finite
 
 DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
@@ -138,8 +138,8 @@ def main():
         ap.error("--temperature must be 0 (greedy) or in [1e-4, 1e4), --top-p in (0, 1]")
     try:
         model = load(args.checkpoint, args.device)
-        tokenizer = load_tokenizer(args.tokenizer, model)
-        tokens = encode(tokenizer, args.prompt, model)[0].tolist()[-model.cfg.context:]
+        tokenizer, prompt = tokenize(args.tokenizer, args.prompt, model)
+        tokens = prompt[0].tolist()
         engine, knobs = Engine(model, tokenizer), dict(temperature=args.temperature, top_p=args.top_p)
         engine.generate_batch(tokens, 1, max_tokens=1, seed=args.seed, **knobs)  # warm: no start-up in the timing
         t0 = time.perf_counter()

@@ -9,7 +9,7 @@ setting gives alone, and every run on the CPU prints the same text.
 import argparse
 import sys
 
-from cached import encode, load, load_tokenizer
+from cached import load, tokenize
 from prefill_clone import Engine
 
 SETTINGS = {
@@ -44,8 +44,8 @@ def main():
         ap.error(f"--tokens must be in 0..100000 and --seed in 0..2**63 - 1, got {args.tokens} and {args.seed}")
     try:
         model = load(args.checkpoint, args.device)
-        tokenizer = load_tokenizer(args.tokenizer, model)
-        tokens = encode(tokenizer, args.prompt, model)[0].tolist()[-model.cfg.context:]
+        tokenizer, prompt = tokenize(args.tokenizer, args.prompt, model)
+        tokens = prompt[0].tolist()
         rows = grid(Engine(model, tokenizer), tokens, args.tokens, args.seed)
     except ValueError as e:
         sys.exit(f"sample_grid.py: error: {e}")

@@ -60,6 +60,9 @@ def atomic_write(path, replace, mode="wb", **open_args):
     try:
         with f:
             yield f
+        umask = os.umask(0o022)  # read back as it is set: the only way to read it
+        os.umask(umask)
+        os.chmod(f.name, 0o666 & ~umask)  # as open() would make it, not the temporary's private 0600
         (os.replace if replace else os.link)(f.name, path)
     finally:
         if os.path.exists(f.name):

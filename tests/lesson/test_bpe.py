@@ -2,6 +2,7 @@
 import itertools
 import json
 import os
+import stat
 import random
 import re
 import tempfile
@@ -129,6 +130,9 @@ def test_cli_trains_writes_part1_format_and_refuses_a_missing_corpus(tmp_path, m
     assert status == 0 and err == "", err
     assert "round trip exact" in out
     assert BPE.load(tmp_path / "tok.json").merges == naive_train(TEXT, 44)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "tok.json").st_mode) == 0o666 & ~umask  # as open() makes a file, not 0600
 
     missing = tmp_path / "missing.txt"
     status, _, err = train_bpe(tmp_path, missing, "--out", tmp_path / "new.json", monkeypatch=monkeypatch,

@@ -4,6 +4,7 @@ import math
 import os
 import re
 import signal
+import stat
 import struct
 import time
 import zipfile
@@ -522,3 +523,10 @@ def test_a_name_too_long_for_the_folder_is_refused_before_tokenizing_naming_it(t
     run = train(tmp_path, *TINY, "--out", name, monkeypatch=monkeypatch, capsys=capsys)
     assert_refused(run, f"cannot write '{name}.resume.pt': File name too long")
     assert ".tmp" not in run[2] and os.listdir(tmp_path) == ["corpus.txt"]
+
+
+def test_a_runs_files_are_ordinary_files_not_private_ones(finished):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ("run.pt", "run.csv"):
+        assert stat.S_IMODE(os.stat(finished / name).st_mode) == 0o666 & ~umask, name  # as open() makes a file

@@ -44,7 +44,8 @@ stage serving_check_float32 120 "$py" -m engines.serving.check --device cuda --c
 stage serving_check_bfloat16 90 "$py" -m engines.serving.check --device cuda --chats 16 --dtype bfloat16
 stage serve_saturated 150 "$py" -m engines.bench.serving --device cuda --rate 50 --think 0.05 --skip llama-server \
     --json "$out/serving.json"
-stage bench_tables 150 "$py" bench.py cuda --tables 0,2,4,5 --tokens 64 256 --json "$out/bench.json"
+stage bench_post 60 "$py" bench.py cuda --tokens 64 256
+stage bench_tables 150 "$py" -m engines.bench cuda --tables 4,5 --tokens 64 256 --json "$out/bench.json"
 if [ -n "${ALSO_64:-}" ]; then
     stage serve_64_clients 150 "$py" -m engines.bench.serving --device cuda --rate 50 --think 0.05 --clients 64 \
         --skip llama-server,engine --json "$out/serving64.json"

@@ -8,9 +8,7 @@ import torch
 from engines.edge.checks import check_cache, check_knobs, check_seeds, prompt_ids
 from engines.edge.cli import check_count
 from engines.edge.timing import timed_generation
-
-DEFAULT_PROMPT = ("To Sherlock Holmes she is always the woman. I have seldom heard him mention her "
-                  "under any other name.")
+from prefill_clone import DEFAULT_PROMPT
 
 
 def add_sample_flags(ap):

@@ -10,6 +10,7 @@ import pytest
 
 from engines.scale import vllm_peer
 from helpers import assert_refused, run_main
+from support import command
 
 TORCH = importlib.metadata.version("torch")  # what pip says of this venv's torch, as the check reads it
 
@@ -39,7 +40,7 @@ def folder(tmp_path, **config):
 
 
 def refused(monkeypatch, capsys, *argv):
-    return run_main(vllm_peer.main, ["vllm_peer.py", *map(str, argv)], monkeypatch, capsys)
+    return run_main(command(vllm_peer.main), ["vllm_peer.py", *map(str, argv)], monkeypatch, capsys)
 
 
 def test_no_venv_names_how_to_make_it(tmp_path, monkeypatch, capsys):

@@ -193,7 +193,7 @@ def main():
     from engines.serving.blocks import blocks_for_bytes, blocks_per_row
     from engines.fast.compile_cache import check_compile_cache
     from engines.fast.compile_ways import compiler_missing
-    from engines.fast.engine import check_dtype
+    from engines.fast.engine import check_dtype, slower_than_float32
     from engines.serving.runner import compiles_in_process
     from engines.serving.http_policy import allowed_hosts, is_loopback
     from engines.serving.server import create_app
@@ -215,6 +215,8 @@ def main():
     compile_cache = check_compile_cache(args.compile_cache) if compile else None
     sock = listening_socket(args.host, args.port)  # before the model loads: a port in use is said at once
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, device)
+    if note := slower_than_float32(model, dtype, args.rows):  # a narrower type sold as speed where it is not
+        print(f"serve.py: {note}", file=sys.stderr)
     model = model.to(dtype)
     itemsize, context = model.emb.weight.element_size(), model.cfg.context
     rows_bytes = cache_bytes(model.cfg, args.rows, context, itemsize)  # keys and values, every layer

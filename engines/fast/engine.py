@@ -10,6 +10,7 @@ prints N samples from one prompt pass, then the time to the first token and
 the tokens a second; the same samples as python prefill_clone.py.
 """
 import copy
+import sys
 
 from engines.edge.cli import DTYPE_NAMES, Parser, add_speed_flags, as_id, device_from, run_cli
 from engines.edge.errors import BadValue
@@ -28,6 +29,7 @@ from model import check_finite
 from engines.edge.samples import add_sample_flags, sample_knobs, show_samples
 from engines.fast.kv_cache import KVCache, clone_prompt
 from engines.fast.rope import with_row_attention
+from engines.edge.timing import measure
 from prefill_clone import Engine
 
 
@@ -54,6 +56,21 @@ def speed_flags(args):
     device = device_from(args.device)
     cache = check_compile_cache(args.compile_cache) if args.compile else args.compile_cache
     return dict(compile=args.compile, compile_cache=cache, dtype=check_dtype(args.dtype, device))
+
+
+def slower_than_float32(model, dtype, rows, runs=3, measure=measure):
+    """On a CPU, a line saying that `dtype` decodes slower than float32 here, or None: measured now, each
+    Engine's eager tokens a second at `rows` rows (the median of `runs`, in turns), so that int8 or bfloat16
+    is never a silent slowdown where the torch and the CPU (no VNNI, no AMX) do not pay for it."""
+    if dtype == torch.float32 or model.emb.weight.device.type != "cpu":
+        return None
+    engines = {d: FastEngine(model, dtype=d) for d in (torch.float32, dtype)}  # each with its fastest kernel
+    fns = {d: lambda e=e: e.generate_batch([0] * 8, rows, max_tokens=16, temperature=0) for d, e in engines.items()}
+    speed = {d: rows * 16 / seconds for d, (seconds, _) in measure(fns, runs, model.emb.weight.device).items()}
+    name = str(dtype).removeprefix("torch.")
+    return None if speed[dtype] >= speed[torch.float32] else (
+        f"{name} decodes slower than float32 on this CPU and torch, measured now: {speed[dtype]:,.0f} against "
+        f"{speed[torch.float32]:,.0f} tok/s eager at {rows} row{'s' * (rows != 1)}; it saves memory here, not time")
 
 
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each element size
@@ -278,6 +295,8 @@ def main():
     args = ap.parse_args()
     knobs, speed = sample_knobs(args), speed_flags(args)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
+    if note := slower_than_float32(model, speed["dtype"], args.n):
+        print(f"engine: {note}", file=sys.stderr)
     engine = FastEngine(model, tokenizer, **speed)
 
     def prepare():  # compiling (or measuring the kernels) first, so that no timing or ETA holds it

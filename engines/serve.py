@@ -215,7 +215,7 @@ def main():
     compile_cache = check_compile_cache(args.compile_cache) if compile else None
     sock = listening_socket(args.host, args.port)  # before the model loads: a port in use is said at once
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, device)
-    if note := slower_than_float32(model, dtype, args.rows):  # a narrower type sold as speed where it is not
+    if not compile and (note := slower_than_float32(model, dtype, args.rows)):  # eager steps serve throughout
         print(f"serve.py: {note}", file=sys.stderr)
     model = model.to(dtype)
     itemsize, context = model.emb.weight.element_size(), model.cfg.context

@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 
-from engines.edge.cli import first_line
+from engines.edge.cli import first_line, script_name
 from engines.edge.errors import CompileFailed
 from engines.edge.files import atomic_write, shown
 
@@ -90,7 +90,7 @@ class StepProgram(nn.Module):
 
 
 def say(message):
-    print(f"{os.path.basename(sys.argv[0]) or 'python'}: {message}", file=sys.stderr)
+    print(f"{script_name() or 'python'}: {message}", file=sys.stderr)
 
 
 def as_close_as_eager(got, want, dtype):

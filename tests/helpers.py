@@ -67,6 +67,14 @@ def assert_refused(run, message):
     assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
+def assert_usage_error(run, message):
+    """argparse's refusal of a lesson script's flags, as parser.error gives it: status 2, the usage, then one line
+    naming what is wrong."""
+    status, out, err = run
+    assert status == 2 and out == "" and "Traceback" not in err and err.startswith("usage: "), err
+    assert ": error: " in err.splitlines()[-1] and message in err.splitlines()[-1], err
+
+
 def special_input(tmp_path, kind):
     """A path that is not a readable regular file of sensible size."""
     path = tmp_path / kind

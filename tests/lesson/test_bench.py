@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bench
-from helpers import PROMPT, run_main, small
+from helpers import PROMPT, assert_usage_error, run_main, small
 
 
 @pytest.mark.parametrize("args, message", [
@@ -17,10 +17,7 @@ from helpers import PROMPT, run_main, small
     (["cpu", "--tokens", "0"], "--tokens must be at least 1, got 0"),
 ] + ([] if torch.cuda.is_available() else [(["cuda"], "no CUDA GPU")]))
 def test_bad_arguments_are_named_by_argparse(args, message, monkeypatch, capsys):
-    monkeypatch.setattr("sys.argv", ["bench.py", *args])
-    with pytest.raises(SystemExit) as exit:
-        bench.main()
-    assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert_usage_error(run_main(bench.main, ["bench.py", *args], monkeypatch, capsys), message)
 
 
 def test_more_threads_than_cores_run_and_say_in_one_line_they_oversubscribe(monkeypatch, capsys):

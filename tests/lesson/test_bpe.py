@@ -12,7 +12,7 @@ import pytest
 
 import bpe as bpe_module
 from bpe import BPE, SPLIT_PATTERN
-from helpers import ROOT, TEXT, assert_refused, run_main, sha256, special_input
+from helpers import ROOT, TEXT, assert_refused, assert_usage_error, run_main, sha256, special_input
 
 def naive_train(text, n_merges):
     """Part 1 trained the slow way: recount every pair for every merge."""
@@ -184,14 +184,6 @@ def test_hostile_tokenizer_files_are_refused_with_a_reason(tmp_path, content, me
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
         BPE.load(str(path))
-
-
-def assert_usage_error(run, message):
-    """argparse's refusal, as parser.error gives it: status 2, the usage, then one line naming what is wrong."""
-    status, out, err = run
-    assert status == 2 and out == "" and "Traceback" not in err, err
-    assert err.startswith("usage: bpe.py") and err.splitlines()[-1].startswith("bpe.py: error: "), err
-    assert message in err.splitlines()[-1], err
 
 
 def train_bpe(tmp_path, corpus, *args, monkeypatch, capsys):

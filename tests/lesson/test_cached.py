@@ -9,7 +9,7 @@ import torch
 import cached
 from bpe import BPE
 from cached import CachedGPT, load
-from helpers import (PART3_CONFIG, ROOT, SMALL, assert_refused, one_line_exit, keys_attended, part3_state_dict,
+from helpers import (PART3_CONFIG, ROOT, SMALL, assert_refused, assert_usage_error, one_line_exit, keys_attended, part3_state_dict,
                      prompts, run_main, uncached_choices)
 from model import GPT, Config, rope_at
 
@@ -162,10 +162,7 @@ def save(model, path):
     (["--tokens", str(10**11)], "--tokens must be in 0..100000"),
 ])
 def test_bad_flags_are_named_by_argparse(args, message, monkeypatch, capsys):
-    monkeypatch.setattr("sys.argv", ["cached.py", *args])
-    with pytest.raises(SystemExit) as exit:
-        cached.main()
-    assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert_usage_error(run_main(cached.main, ["cached.py", *args], monkeypatch, capsys), message)
 
 
 @pytest.mark.parametrize("make, message", [

@@ -5,7 +5,7 @@ import torch
 
 import cached
 import prefill_clone
-from helpers import PROMPT, SMALL, assert_refused, run_main, small
+from helpers import PROMPT, SMALL, assert_refused, assert_usage_error, run_main, small
 from model import GPT, Config
 from prefill_clone import Engine
 from sampling import pick
@@ -143,10 +143,7 @@ def test_past_the_window_the_engine_gives_generate_cacheds_tokens():
     (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
 ])
 def test_bad_flags_are_named_by_argparse(args, message, monkeypatch, capsys):
-    monkeypatch.setattr("sys.argv", ["prefill_clone.py", *args])
-    with pytest.raises(SystemExit) as exit:
-        prefill_clone.main()
-    assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert_usage_error(run_main(prefill_clone.main, ["prefill_clone.py", *args], monkeypatch, capsys), message)
 
 
 def test_a_missing_checkpoint_is_one_line_and_exit_1(monkeypatch, capsys):

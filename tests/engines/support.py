@@ -1,10 +1,8 @@
-"""What the engines' tests share: a serving package named where it is missing, and the small model whose
+"""What the engines' tests share: an entry point as its command runs it, and the small model whose
 decode step the suite compiles once, ahead (compile_ahead runs in a process of its own: this module imports
 nothing of conftest)."""
-import importlib
 import os
 
-import pytest
 import torch
 
 from engines.edge.cli import run_cli
@@ -20,14 +18,6 @@ from model import Config
 def command(main):
     """An entry point of engines/ as its command line runs it: main through run_cli (one line for a refusal)."""
     return lambda: run_cli(main)
-
-
-def needs(module):
-    """The serving package `module` (engines/requirements.txt), imported; outside CI a test that needs one that
-    is not installed skips, naming the file; in CI (CI=true) it fails."""
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module, reason=f"{module} is not installed: pip install -r engines/requirements.txt")
 
 
 AS_SET = compile_ways.COMPILE_WAYS  # read on import, before one_plain_compile_way

@@ -17,16 +17,12 @@ import urllib.error
 import urllib.request
 
 import pytest
+import uvicorn
 
 from helpers import ROOT, free_port
-from support import needs
-
-uvicorn = needs("uvicorn")
-needs("starlette")
-
-from engines.edge.checkpoint import load_pair  # noqa: E402
-from engines.serving.engine import ServingEngine  # noqa: E402
-from servers import HANG_GUARD, Running, wait_for  # noqa: E402
+from engines.edge.checkpoint import load_pair
+from engines.serving.engine import ServingEngine
+from servers import HANG_GUARD, Running, wait_for
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ELEMENT = "element-6066-11e4-a52e-4f735466cecf"  # the W3C key of an element reference

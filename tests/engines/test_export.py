@@ -12,13 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from helpers import ODD_TEXTS, PART3_CONFIG, one_line_exit, part3_state_dict, run_main
-from support import command, needs
-
-needs("transformers")  # engines/requirements.txt: the whole export
-import safetensors.torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from support import command
 
 from engines.export import export
 from bpe import BPE

@@ -9,13 +9,13 @@ import sys
 import time
 import urllib.request
 
+import gguf
+import llama_cpp
 import pytest
 import torch
 from children import ct2_greedy_as_it_loads, segfault
 from helpers import ODD_TEXTS, free_port, run_main_once
-from support import command, needs
-
-needs("transformers")  # the export every engine here reads
+from support import command
 
 from engines.export import export
 from engines.export import peers
@@ -35,7 +35,6 @@ def holmes():
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
     """One export.py run writing both engines' outputs, as a reader runs it (in this process): (stdout, folder)."""
-    needs("gguf"), needs("ctranslate2"), needs("llama_cpp")
     out = tmp_path_factory.mktemp("engines")
     status, stdout, err = run_main_once(command(export.main), ["export.py", "--gguf", out / "holmes.gguf",
                                                       "--ct2", out / "holmes-ct2"])
@@ -56,7 +55,6 @@ def llama_greedy(path, prompt, batch, n_tokens):
 
 @pytest.fixture(scope="module", params=["f16", "q8_0"])
 def smaller_gguf(request, holmes, tmp_path_factory):
-    needs("gguf")
     model, bpe, _ = holmes
     path = tmp_path_factory.mktemp("gguf") / f"holmes-{request.param}.gguf"
     peers.write_gguf(path, model.cfg, neox_state_dict(model), *spelled_vocabulary(bpe), request.param)
@@ -73,7 +71,6 @@ def test_the_cli_reports_each_engine_equal_to_cached_py_and_leaves_only_its_outp
 
 
 def test_the_gguf_says_gptneox_gpt2_bpe_and_an_honest_stop(cli_run):
-    gguf = needs("gguf")
     reader = gguf.GGUFReader(cli_run[1] / "holmes.gguf")
 
     def value(key):
@@ -100,7 +97,6 @@ def test_llama_cpp_f32_greedy_is_cached_pys_for_100_tokens(cli_run, holmes):
 
 
 def test_llama_cpp_f16_is_exact_and_q8_0_reports_where_it_parts(smaller_gguf, holmes):
-    needs("llama_cpp")
     kind, path = smaller_gguf
     [theirs] = llama_greedy(path, holmes[1].encode(PROMPT), 1, 100)
     parted = first_difference(theirs, holmes[2])
@@ -150,7 +146,6 @@ def test_llama_cpps_openai_server_completes_the_prompt_with_cached_pys_text(cli_
 
 
 def test_ctranslate2_float32_greedy_is_cached_pys_for_100_tokens(cli_run, holmes):
-    needs("ctranslate2")
     path = cli_run[1] / "holmes-ct2"
     vocabulary = json.loads((path / "vocabulary.json").read_text())
     start = [vocabulary[i] for i in holmes[1].encode(PROMPT)]
@@ -158,14 +153,12 @@ def test_ctranslate2_float32_greedy_is_cached_pys_for_100_tokens(cli_run, holmes
 
 
 def test_llama_cpp_loads_without_repacking_where_it_uses_amx(monkeypatch):
-    llama_cpp = needs("llama_cpp")
     for info, repacks in ((b"AVX2 = 1 | AMX_INT8 = 1 | ", False), (b"AVX2 = 1 | AMX_INT8 = 0 | ", True)):
         monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda info=info: info)
         assert peers.llama_model_params(llama_cpp).use_extra_bufts is repacks
 
 
 def test_a_crashing_engine_ends_export_py_in_one_line_and_leaves_nothing(holmes, tmp_path, monkeypatch, capsys):
-    needs("gguf"), needs("llama_cpp")
     monkeypatch.setattr(peers, "llama_greedy", segfault)
     monkeypatch.setattr(sys, "argv", ["export.py", "--gguf", str(tmp_path / "x.gguf")])
     with pytest.raises(SystemExit) as exit:

@@ -9,19 +9,16 @@ import argparse
 import os
 import random
 
+import openai
 import pytest
 
 from helpers import ROOT, assert_refused, run_main
-from support import command, needs
+from support import command
 
-openai = needs("openai")
-needs("uvicorn")
-needs("starlette")
-
-from engines.edge.checkpoint import load_pair  # noqa: E402
-from engines.serving.http_policy import MAX_BODY_BYTES, allowed_hosts  # noqa: E402
-from engines.serving.openai_request import ROLE_LINES, ROLES, Refused, chat_prompt  # noqa: E402
-from servers import Running, Watched  # noqa: E402
+from engines.edge.checkpoint import load_pair
+from engines.serving.http_policy import MAX_BODY_BYTES, allowed_hosts
+from engines.serving.openai_request import ROLE_LINES, ROLES, Refused, chat_prompt
+from servers import Running, Watched
 
 KEY = "sk-test-key"
 ASK = {"prompt": "The night was", "max_tokens": 2, "temperature": 0}

@@ -21,19 +21,16 @@ import socket
 import subprocess
 import sys
 
+import openai
 import pytest
 import torch
 
 from helpers import ROOT, assert_refused, run_main
-from support import command, needs
+from support import command
 
-openai = needs("openai")
-needs("uvicorn")
-needs("starlette")
-
-from engines.edge.checkpoint import load_pair  # noqa: E402
-from engines.serving.engine import StepClock  # noqa: E402
-from servers import HANG_GUARD, Running, Watched, wait_for  # noqa: E402
+from engines.edge.checkpoint import load_pair
+from engines.serving.engine import StepClock
+from servers import HANG_GUARD, Running, Watched, wait_for
 
 SYSTEM = ("You are Sherlock Holmes, the consulting detective of Baker Street. Answer as he would, "
           "briefly, and name what you observe.")

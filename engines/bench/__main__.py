@@ -22,13 +22,11 @@ weight once, and the keys and values it attends to) and the rate it reads them a
    llama.cpp f32 and q8_0, on the CPU) beside the Engine's forms; then where each parts from float32.
 """
 import json
-import os
-import sys
 
 import torch
 
 from engines.bench import peers, speed
-from engines.edge.cli import Parser, device_from, run_cli
+from engines.edge.cli import Parser, device_from, run_cli, thread_count
 from engines.edge.errors import BadValue
 from engines.edge.figures import machine, read_bandwidth, untrained_model
 from engines.edge.files import atomic_write, check_output
@@ -42,7 +40,7 @@ TABLES = "3456"
 def main():
     ap = Parser(description="The engines' speed tables (3 to 6), beside bench.py's post tables.")
     ap.add_argument("device", nargs="?", default="cpu", help="cpu or cuda")
-    ap.add_argument("threads", nargs="?", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("threads", nargs="?", type=thread_count, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--tables", default="3,4,6", help="which tables to run, e.g. 4,6 (default 3,4,6; 5 is CUDA's)")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per figure (at least 3)")
@@ -55,10 +53,6 @@ def main():
         raise BadValue(f"--tables takes numbers 3 to 6 separated by commas, got {args.tables!r}")
     device = device_from(args.device)
     if args.threads is not None:
-        if args.threads < 1:
-            raise BadValue(f"THREADS must be at least 1, got {args.threads}")
-        if args.threads > os.cpu_count():
-            print(f"{args.threads} threads on {os.cpu_count()} cores oversubscribes them", file=sys.stderr)
         torch.set_num_threads(args.threads)
     if args.runs < 3:
         raise BadValue(f"--runs must be at least 3 (figures are medians), got {args.runs}")

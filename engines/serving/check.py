@@ -16,7 +16,7 @@ the first token where each does, instead of asserting.
 import random
 import time
 
-from engines.edge.cli import Parser, check_least, device_from, run_cli
+from engines.edge.cli import Parser, check_least, device_from, run_cli, thread_count
 
 import torch
 
@@ -88,11 +88,11 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixed-shapes", action="store_true")
     ap.add_argument("--compile", action="store_true", help="the decode step compiled (or loaded from the compile cache)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--threads", type=thread_count, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     ap.add_argument("--dtype", default="float32", choices=SERVED_DTYPES)
     args = ap.parse_args()
-    for name, value, least in (("--chats", args.chats, 1), ("--tokens", args.tokens, 1), ("--threads", args.threads, 0)):
+    for name, value, least in (("--chats", args.chats, 1), ("--tokens", args.tokens, 1)):
         check_least(name, value, least)
     device = device_from(args.device)
     dtype = check_dtype(args.dtype, device)

@@ -292,6 +292,21 @@ def test_what_check_output_accepts_atomic_write_can_write(tmp_path):
     assert path.read_bytes() == b"kept" and os.listdir(tmp_path) == [path.name]
 
 
+@pytest.mark.parametrize("tool, flags", [("bench.__main__", ["cpu"]), ("serving.check", ["--threads"]),
+                                         ("bench.serving", ["--threads"])])
+@pytest.mark.parametrize("threads", ["0", str(os.cpu_count() + 1), "100000", "two"])
+def test_every_thread_count_past_the_cores_is_refused_in_one_line_before_torch_sees_it(tool, flags, threads,
+                                                                                        monkeypatch, capsys):
+    """Before: 100000 threads died of SIGSEGV inside torch."""
+    import importlib
+    import torch
+    main, asked = importlib.import_module(f"engines.{tool}").main, []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    assert_refused(run_main(command(main), [tool, *flags, threads], monkeypatch, capsys),
+                   f"threads must be a whole number in 1..{os.cpu_count()} (this machine's cores), got {threads!r}")
+    assert asked == []
+
+
 def test_export_without_transformers_names_the_requirements_file_in_one_line(monkeypatch, capsys):
     import importlib.util
 

@@ -5,6 +5,7 @@ layer's keys and values in the post's dict; each later step feeds one token at i
     python cached.py --break rope|mask     # Gotcha 1 or 2 on purpose: after how many of 100 tokens it drifts
 """
 import argparse
+import os
 import pickle
 import sys
 import warnings
@@ -86,6 +87,9 @@ class CachedGPT(GPT):
 
 def load(path, device="cpu"):
     """A Part 3 checkpoint as a CachedGPT in eval mode, read as data (weights_only=True), strictly; else ValueError."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO or a device would block torch.load for good
+        raise ValueError(f"checkpoint {path!r} is not a regular file (a folder, a pipe or a device); "
+                         "pass a Part 3 .pt file")
     try:
         with warnings.catch_warnings(action="ignore"):  # torch's aside on the pickle protocol: one line says it all
             ckpt = torch.load(path, map_location="cpu", weights_only=True)

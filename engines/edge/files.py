@@ -33,6 +33,14 @@ def check_input(path, what, max_bytes, hint=""):
     return info.st_size
 
 
+def check_input_folder(folder, what, max_bytes):
+    """A folder another program reads (an export, for vLLM or transformers): each file in it as check_input has
+    it, since a FIFO there would block that reader for good. Sub-folders are left to the reader."""
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not os.path.isdir(os.path.join(folder, name)):
+            check_input(os.path.join(folder, name), what, max_bytes)
+
+
 def shown(path):
     """A path as one line of a message: as it is, or quoted where it holds a newline or another control."""
     path = os.fspath(path)

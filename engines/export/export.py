@@ -12,7 +12,7 @@ import shutil
 import tempfile
 
 from engines.edge.cli import Parser
-from engines.edge.files import appeared, check_output, place, shown
+from engines.edge.files import appeared, check_input_folder, check_output, place, shown
 from engines.edge.errors import Appeared, BadPath, BadValue, EngineFailed
 
 import torch
@@ -215,6 +215,7 @@ def check_folder(args):
         raise BadValue("--check reads a folder and writes nothing; give it with CHECKPOINT and --tokenizer only")
     if not os.path.isdir(args.check) or not os.path.exists(os.path.join(args.check, "config.json")):
         raise BadValue(f"--check {shown(args.check)}: not a folder with a config.json; give an exported folder")
+    check_input_folder(args.check, "exported file", 2**40)  # a FIFO there would block transformers for good
     model, bpe = load_pair(args.checkpoint, args.tokenizer)
     hf, hf_tokenizer = read_folder(args.check)
     dtype = stored_dtype(args.check)

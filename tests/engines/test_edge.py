@@ -18,7 +18,7 @@ from engines.edge.checks import check_knobs
 from engines.edge.cli import run_cli, show_progress
 from engines.edge.errors import BadPath, BadValue
 from engines.edge.files import atomic_write, check_input, check_output
-from helpers import ROOT, assert_refused, exit_status, run_main
+from helpers import ROOT, assert_refused, exit_status, run_main, run_script
 from support import command
 
 
@@ -290,6 +290,23 @@ def test_what_check_output_accepts_atomic_write_can_write(tmp_path):
     with atomic_write(path) as f:
         f.write(b"kept")
     assert path.read_bytes() == b"kept" and os.listdir(tmp_path) == [path.name]
+
+
+def exported_with_a_fifo(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    os.mkfifo(tmp_path / "hf" / "tokenizer.json")
+    return tmp_path / "hf", "exported file " + str(tmp_path / "hf" / "tokenizer.json")
+
+
+@pytest.mark.parametrize("argv, fifo", [
+    (["engines.serve", "--api-key-file"], lambda d: os.mkfifo(d / "key") or (d / "key", f"--api-key-file {d / 'key'}")),
+    (["engines.export", "--check"], exported_with_a_fifo),
+])
+def test_a_fifo_where_a_command_reads_a_file_is_refused_in_one_line_without_being_opened(argv, fifo, tmp_path):
+    """Before: the server never started and never said why; transformers waited on the folder's FIFO."""
+    path, named = fifo(tmp_path)
+    assert_refused(run_script("-m", *argv, path), f"{named} is not a regular file (a pipe or a device?)")
 
 
 @pytest.mark.parametrize("tool, flags", [("bench.__main__", ["cpu"]), ("serving.check", ["--threads"]),

@@ -10,7 +10,7 @@ import cached
 from bpe import BPE
 from cached import CachedGPT, load
 from helpers import (PART3_CONFIG, ROOT, SMALL, assert_refused, assert_usage_error, one_line_exit, keys_attended, part3_state_dict,
-                     prompts, run_main, uncached_choices)
+                     prompts, run_main, run_script, uncached_choices)
 from model import GPT, Config, rope_at
 
 
@@ -179,6 +179,14 @@ def test_a_file_that_is_not_a_part3_checkpoint_is_one_line_and_exit_1(tmp_path, 
     run = run_main(cached.main, ["cached.py", str(path)], monkeypatch, capsys)
     assert_refused(run, "cached.py: error: ")
     assert message in run[2]
+
+
+@pytest.mark.parametrize("script", ["cached.py", "sample_grid.py", "prefill_clone.py"])
+def test_a_fifo_given_as_the_checkpoint_is_refused_in_one_line_without_being_opened(script, tmp_path):
+    """Before: torch.load opened the FIFO and waited for a writer for good."""
+    os.mkfifo(tmp_path / "fifo.pt")
+    assert_refused(run_script(script, tmp_path / "fifo.pt"),
+                   f"{script}: error: checkpoint '{tmp_path / 'fifo.pt'}' is not a regular file")
 
 
 def test_an_empty_prompt_and_a_tokenizer_of_another_size_are_named(tmp_path, random_model, monkeypatch, capsys):

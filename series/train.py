@@ -77,9 +77,23 @@ def check_folder(folder):
         raise ValueError(f"cannot write files in {folder!r}: {e.strerror}") from None
 
 
+def written_here(path):
+    """Whether the file at `path` is one this script writes: the log with its header, a checkpoint or a resume
+    file with their keys (read as data, mapped, not read whole)."""
+    try:
+        if path.endswith(".csv"):
+            with open(path, newline="") as f:
+                return f.readline(200).rstrip("\r\n") == ",".join(COLUMNS)
+        keys = set(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except Exception:  # not one: unreadable, not a torch.save file, not a dict
+        return False
+    return set(RESUME_KINDS) <= keys if path.endswith(".resume.pt") else keys == {"model", "config", "step", "tokenizer"}
+
+
 def check_outputs(name, replace, inputs):
     """Before any long work: NAME.pt, NAME.csv and NAME.resume.pt can be written, one that exists is replaced
-    only when told (`replace`: --force or --resume), and never one of the run's `inputs`."""
+    only when told (`replace`: --force or --resume) and only if this script wrote it, and never one of the
+    run's `inputs`."""
     if not os.path.basename(name):
         raise ValueError(f"--out {name!r} names no run; give a name like holmes or runs/holmes")
     paths = [f"{name}.pt", f"{name}.csv", f"{name}.resume.pt"]
@@ -98,6 +112,8 @@ def check_outputs(name, replace, inputs):
         if not replace:
             cut = f", or --resume to go on from the cut-short run in {paths[2]!r}" if os.path.lexists(paths[2]) else ""
             raise ValueError(f"{path!r} already exists; pass --force to replace it, or --out NAME for a new run{cut}")
+        if os.path.isfile(path) and not os.path.islink(path) and not written_here(path):  # a link: only it goes
+            raise ValueError(f"{path!r} is not a file this command wrote; move it or choose another --out")
     check_folder(os.path.dirname(name) or ".")
 
 

@@ -29,12 +29,13 @@ from engines.bench import peers, speed
 from engines.edge.cli import Parser, device_from, run_cli, thread_count
 from engines.edge.errors import BadValue
 from engines.edge.figures import machine, read_bandwidth, untrained_model
-from engines.edge.files import atomic_write, check_output
+from engines.edge.files import atomic_write, check_output, starts_with
 from engines.fast.compile_ways import check_compiler
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), steps=50, drift=256, compiled_ways=True)
 QUICK = dict(batches=(1, 4), lengths=(8, 16), steps=5, drift=16, compiled_ways=False)  # no extra compiles
 TABLES = "3456"
+REPORT = starts_with(b'{\n "machine": ')  # how json.dump(report, indent=1) begins: --force replaces only that
 
 
 def main():
@@ -59,7 +60,7 @@ def main():
     if args.tokens and min(args.tokens) < 8:
         raise BadValue(f"--tokens must be at least 8 (the warm-up's length), got {min(args.tokens)}")
     if args.json is not None:
-        check_output(args.json, args.force)
+        check_output(args.json, args.force, ours=REPORT)
     if tables & set("346"):  # each times the compiled decode step
         check_compiler(device, "or run only --tables 5")
     sizes = (QUICK if args.quick else FULL) | ({"lengths": tuple(args.tokens)} if args.tokens else {})
@@ -85,7 +86,7 @@ def main():
                           report.setdefault("peers", []))
         peers.table_peers_drift(device, sizes["drift"], report.setdefault("peers_drift", {}))
     if args.json is not None:
-        with atomic_write(args.json, "w", force=args.force) as f:
+        with atomic_write(args.json, "w", force=args.force, ours=REPORT) as f:
             json.dump(report, f, indent=1)
         print(f"\nwrote {args.json}")
 

@@ -50,6 +50,26 @@ def test_atomic_write_replaces_a_link_at_the_target_instead_of_writing_through_i
     assert kept.read_text() == "keep me" and not (tmp_path / "out.txt").is_symlink()
 
 
+def test_force_replaces_only_what_the_command_recognises_as_its_own_then_and_when_it_is_put_in_place(tmp_path):
+    ours, out = files.starts_with(b"OURS"), tmp_path / "out.bin"
+    out.write_bytes(b"OURS, an earlier run's")
+    check_output(out, force=True, ours=ours)
+    out.write_bytes(b"a user's notes")  # as if written while the work ran
+    refused = f"{out} is not a file this command wrote, so --force does not replace it; move it or choose another name"
+    with pytest.raises(BadValue, match=refused):
+        with atomic_write(out, force=True, ours=ours) as f:
+            f.write(b"OURS, new")
+    with pytest.raises(BadValue, match=refused):
+        check_output(out, force=True, ours=ours)
+    assert out.read_bytes() == b"a user's notes" and os.listdir(tmp_path) == ["out.bin"]
+    out.unlink()
+    out.symlink_to(tmp_path / "notes.txt")  # a link is replaced, never what it points at
+    (tmp_path / "notes.txt").write_text("kept")
+    with atomic_write(out, force=True, ours=ours) as f:
+        f.write(b"OURS, new")
+    assert out.read_bytes() == b"OURS, new" and (tmp_path / "notes.txt").read_text() == "kept"
+
+
 @pytest.mark.parametrize("failure", [ValueError("disk full"), KeyboardInterrupt()])
 def test_a_cut_write_leaves_the_old_file_and_no_temporary(tmp_path, failure):
     out = tmp_path / "out.bin"

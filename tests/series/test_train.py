@@ -275,6 +275,18 @@ def test_force_never_replaces_a_file_the_run_reads(tmp_path, monkeypatch, capsys
     assert (tmp_path / "run.csv").read_text() == CORPUS
 
 
+@pytest.mark.parametrize("victim", RUN_FILES)
+def test_force_replaces_only_the_files_a_run_wrote(tmp_path, killed_after_last_step, victim, monkeypatch, capsys):
+    """Before: --force replaced a user's run.csv (or run.pt) whatever it held."""
+    copy_run(killed_after_last_step, tmp_path)
+    (tmp_path / victim).write_text("step,notes\n1,a user's own table\n")
+    before = {name: sha256(tmp_path / name) for name in RUN_FILES}
+    forbid_tokenizing(monkeypatch)
+    run = train(tmp_path, *TINY, "--force", monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, f"train.py: error: '{victim}' is not a file this command wrote; move it or choose another --out")
+    assert {name: sha256(tmp_path / name) for name in RUN_FILES} == before
+
+
 def test_the_shipped_run_is_never_replaced(monkeypatch, capsys, shipped_unchanged, tmp_path):
     (tmp_path / "corpus.txt").write_text(CORPUS)
     had_data = os.path.exists(os.path.join(ROOT, "data"))

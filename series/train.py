@@ -58,8 +58,13 @@ def atomic_write(path, replace, mode="wb", **open_args):
     f = tempfile.NamedTemporaryFile(mode, dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp", delete=False,
                                     **open_args)
     try:
-        with f:
-            yield f
+        try:
+            with f:
+                yield f
+        except RuntimeError as e:  # Ctrl-C or SIGTERM inside torch.save, which its C++ writer turns into this
+            if isinstance(e.__context__, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            raise
         umask = os.umask(0o022)  # read back as it is set: the only way to read it
         os.umask(umask)
         os.chmod(f.name, 0o666 & ~umask)  # as open() would make it, not the temporary's private 0600

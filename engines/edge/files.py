@@ -177,6 +177,8 @@ def atomic_write(path, mode="wb", force=False, ours=None, **open_args):
             with f:
                 yield f
         except Exception as e:
+            if isinstance(e.__context__, KeyboardInterrupt):  # Ctrl-C or SIGTERM inside torch.save's C++ writer
+                raise KeyboardInterrupt from None
             failed = raw.failed or (e if isinstance(e, OSError) else None)
             if failed is None:
                 raise

@@ -81,6 +81,27 @@ def test_a_cut_write_leaves_the_old_file_and_no_temporary(tmp_path, failure):
     assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.bin"]
 
 
+def test_an_interrupt_inside_torch_save_unwinds_as_one_leaving_the_old_file(tmp_path):
+    """torch.save's C++ writer says a KeyboardInterrupt raised in its write as a RuntimeError about a position."""
+    import torch
+    out, calls = tmp_path / "out.pt", []
+    out.write_bytes(b"old")
+
+    class Interrupted:  # the signal lands between two of torch.save's writes
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            calls.append(data)
+            if len(calls) == 2:
+                cli.interrupted(signal.SIGINT, None)
+            return self.f.write(data)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with atomic_write(out) as f:
+            torch.save({"w": torch.zeros(10)}, Interrupted(f))
+    assert raised.value.__cause__ is None and out.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.pt"]
+
+
 def test_a_finished_write_is_an_ordinary_file_not_a_private_one(tmp_path):
     with atomic_write(tmp_path / "out.txt", "w") as f:
         f.write("x")

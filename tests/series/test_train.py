@@ -322,12 +322,22 @@ def interrupt(monkeypatch, where):
                 write_then_sigterm(f)
             real_save(obj, f)
         monkeypatch.setattr(torch, "save", save)
+    elif where.startswith("inside"):  # the signal lands in torch.save's own writing, between two of its writes
+        real_save = torch.save
+
+        def save(obj, f):
+            if ("optimizer" in obj) == (where == "inside resume"):
+                write, calls = f.write, []
+                f.write = lambda data: calls.append(data) or (len(calls) == 2 and sigterm()) or write(data)
+            real_save(obj, f)
+        monkeypatch.setattr(torch, "save", save)
     else:
         monkeypatch.setattr(train_module, "batch", sigterm)
 
 
 @pytest.mark.parametrize("where, victim", [
     ("tokenizing", None), ("step", None), ("csv", "run.csv"), ("checkpoint", "run.pt"), ("resume", "run.resume.pt"),
+    ("inside checkpoint", "run.pt"), ("inside resume", "run.resume.pt"),  # before: torch's 25-line traceback
 ])
 def test_sigterm_mid_run_leaves_no_temporary_file_and_one_line(tmp_path, killed_after_last_step, where, victim,
                                                               monkeypatch, capsys, shipped_unchanged):

@@ -92,13 +92,15 @@ def written_here(path):
         keys = set(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
     except Exception:  # not one: unreadable, not a torch.save file, not a dict
         return False
-    return set(RESUME_KINDS) <= keys if path.endswith(".resume.pt") else keys == {"model", "config", "step", "tokenizer"}
+    if path.endswith(".resume.pt"):
+        return set(RESUME_KINDS) <= keys
+    return keys == {"model", "config", "step", "tokenizer"}
 
 
-def check_outputs(name, replace, inputs):
+def check_outputs(name, force, resume, inputs):
     """Before any long work: NAME.pt, NAME.csv and NAME.resume.pt can be written, one that exists is replaced
-    only when told (`replace`: --force or --resume) and only if this script wrote it, and never one of the
-    run's `inputs`."""
+    only when told (--force, or --resume, which reads and checks them first), with --force only if this script
+    wrote it, and never one of the run's `inputs`."""
     if not os.path.basename(name):
         raise ValueError(f"--out {name!r} names no run; give a name like holmes or runs/holmes")
     paths = [f"{name}.pt", f"{name}.csv", f"{name}.resume.pt"]
@@ -114,10 +116,11 @@ def check_outputs(name, replace, inputs):
         if os.path.exists(path) and not os.path.isfile(path):  # whatever the flags: replacing it would lose it
             raise ValueError(f"cannot write {path!r}: it is not a regular file (a folder, a pipe, a device or a link "
                              "to one); give another --out")
-        if not replace:
+        if not (force or resume):
             cut = f", or --resume to go on from the cut-short run in {paths[2]!r}" if os.path.lexists(paths[2]) else ""
             raise ValueError(f"{path!r} already exists; pass --force to replace it, or --out NAME for a new run{cut}")
-        if os.path.isfile(path) and not os.path.islink(path) and not written_here(path):  # a link: only it goes
+        # with --force, only a file this script wrote (a link is replaced, never what it points at)
+        if force and os.path.isfile(path) and not os.path.islink(path) and not written_here(path):
             raise ValueError(f"{path!r} is not a file this command wrote; move it or choose another --out")
     check_folder(os.path.dirname(name) or ".")
 
@@ -320,7 +323,7 @@ def train(args):
     device = torch.device(args.device)
     name = args.out.removesuffix(".pt")
     resume_file = f"{name}.resume.pt"
-    check_outputs(name, args.force or args.resume, [args.corpus, args.tokenizer])
+    check_outputs(name, args.force, args.resume, [args.corpus, args.tokenizer])
     use_bf16 = device.type == "cuda" or args.bf16
 
     def autocast():

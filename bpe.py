@@ -261,6 +261,14 @@ class BPE:
         return cls(merges)
 
 
+def is_tokenizer(path):
+    """Whether `path` holds a tokenizer (what this script writes): --force replaces nothing else."""
+    try:
+        return BPE.load(path) is not None
+    except (ValueError, OSError):
+        return False
+
+
 def main():
     ap = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on a text file.")
     ap.add_argument("corpus", help="UTF-8 text file to train on")
@@ -277,6 +285,8 @@ def main():
         ap.error(f"{args.out!r} exists; pass --force to replace it, or another --out")
     if os.path.exists(args.out) and os.path.exists(args.corpus) and os.path.samefile(args.out, args.corpus):
         ap.error(f"--out {args.out!r} is the corpus itself; give another path")
+    if os.path.isfile(args.out) and not os.path.islink(args.out) and not is_tokenizer(args.out):  # a link: only it goes
+        ap.error(f"{args.out!r} is not a file this command wrote (not a tokenizer); move it or choose another --out")
     folder = os.path.dirname(os.path.abspath(args.out))
     try:  # the folder takes a new file, tried before training: the one test that also holds for root
         tempfile.NamedTemporaryFile(dir=folder).close()

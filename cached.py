@@ -5,6 +5,7 @@ layer's keys and values in the post's dict; each later step feeds one token at i
     python cached.py --break rope|mask     # Gotcha 1 or 2 on purpose: after how many of 100 tokens it drifts
 """
 import argparse
+import os
 import pickle
 import sys
 import warnings
@@ -86,11 +87,16 @@ class CachedGPT(GPT):
 
 def load(path, device="cpu"):
     """A Part 3 checkpoint as a CachedGPT in eval mode, read as data (weights_only=True), strictly; else ValueError."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO or a device would block torch.load for good
+        raise ValueError(f"checkpoint {path!r} is not a regular file (a folder, a pipe or a device); "
+                         "pass a Part 3 .pt file")
     try:
         with warnings.catch_warnings(action="ignore"):  # torch's aside on the pickle protocol: one line says it all
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
         model = CachedGPT(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
+        # series.train's record of the tokenizer it trained with (Part 3's checkpoints have none): tokenize checks it
+        model.checkpoint, model.trained_with = path, ckpt.get("tokenizer")
     except FileNotFoundError:
         raise ValueError(f"no checkpoint at {path!r}; pass a Part 3 .pt file") from None
     except Exception as e:  # whatever torch.load, Config or load_state_dict says of a file that is not Part 3's
@@ -102,11 +108,16 @@ def load(path, device="cpu"):
 
 
 def tokenize(path, text, model):
-    """Part 1's tokenizer (refused unless its vocabulary is the model's) and the prompt's last `context` ids (1, T)."""
+    """Part 1's tokenizer (refused unless its vocabulary is the model's, and its merges those the checkpoint records,
+    where it records them) and the prompt's last `context` ids (1, T)."""
     tokenizer, vocab = BPE.load(path), model.cfg.vocab_size
     if tokenizer.vocab_size != vocab:
         raise ValueError(f"{path!r} has {tokenizer.vocab_size} tokens but the model a vocabulary of {vocab}; "
                          "give the tokenizer it was trained with (--tokenizer)")
+    record = getattr(model, "trained_with", None)
+    if record is not None and (not isinstance(record, dict) or record.get("sha256") != tokenizer.record()["sha256"]):
+        raise ValueError(f"{path!r} is not the tokenizer {model.checkpoint!r} was trained with (their merges differ); "
+                         "give that one with --tokenizer")
     if not (ids := tokenizer.encode(text)[-model.cfg.context:]):
         raise ValueError("the prompt is empty; give at least one character")
     return tokenizer, torch.tensor([ids], device=model.emb.weight.device)

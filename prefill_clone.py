@@ -132,8 +132,8 @@ def main():
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    if args.n < 1 or args.tokens < 1 or not 0 <= args.seed < 2**63 - args.n:
-        ap.error("-n and --tokens must be at least 1, --seed in 0..2**63 - n")
+    if not 1 <= args.n <= 1000 or not 1 <= args.tokens <= 100_000 or not 0 <= args.seed < 2**63 - args.n:
+        ap.error("-n must be in 1..1000, --tokens in 1..100000, --seed in 0..2**63 - n")
     if not (args.temperature == 0 or 1e-4 <= args.temperature < 1e4) or not 0 < args.top_p <= 1:
         ap.error("--temperature must be 0 (greedy) or in [1e-4, 1e4), --top-p in (0, 1]")
     try:

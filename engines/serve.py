@@ -36,6 +36,7 @@ import time
 
 from engines.edge.cli import Parser, check_count, check_fits, check_least, device_from, run_cli
 from engines.edge.errors import BadValue, CompileFailed
+from engines.edge.files import check_input
 
 from engines.edge.checkpoint import load_pair
 from engines.edge.checks import cache_bytes
@@ -75,6 +76,8 @@ def read_api_key(args):
         raise BadValue(f"give one of {', '.join(sources)}, got {' and '.join(given)}")
     source, key = next(iter(given.items()), (None, None))
     if source == "--api-key-file":
+        if os.path.exists(key):  # a FIFO or a device would block the start for good (a missing file: open's line)
+            check_input(key, "--api-key-file", 2**20)
         try:
             with open(key, encoding="utf-8", errors="replace") as f:
                 key = f.read(4097).removesuffix("\n").removesuffix("\r")

@@ -58,8 +58,13 @@ def atomic_write(path, replace, mode="wb", **open_args):
     f = tempfile.NamedTemporaryFile(mode, dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp", delete=False,
                                     **open_args)
     try:
-        with f:
-            yield f
+        try:
+            with f:
+                yield f
+        except RuntimeError as e:  # Ctrl-C or SIGTERM inside torch.save, which its C++ writer turns into this
+            if isinstance(e.__context__, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            raise
         umask = os.umask(0o022)  # read back as it is set: the only way to read it
         os.umask(umask)
         os.chmod(f.name, 0o666 & ~umask)  # as open() would make it, not the temporary's private 0600
@@ -77,9 +82,25 @@ def check_folder(folder):
         raise ValueError(f"cannot write files in {folder!r}: {e.strerror}") from None
 
 
-def check_outputs(name, replace, inputs):
+def written_here(path):
+    """Whether the file at `path` is one this script writes: the log with its header, a checkpoint or a resume
+    file with their keys (read as data, mapped, not read whole)."""
+    try:
+        if path.endswith(".csv"):
+            with open(path, newline="") as f:
+                return f.readline(200).rstrip("\r\n") == ",".join(COLUMNS)
+        keys = set(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except Exception:  # not one: unreadable, not a torch.save file, not a dict
+        return False
+    if path.endswith(".resume.pt"):
+        return set(RESUME_KINDS) <= keys
+    return keys == {"model", "config", "step", "tokenizer"}
+
+
+def check_outputs(name, force, resume, inputs):
     """Before any long work: NAME.pt, NAME.csv and NAME.resume.pt can be written, one that exists is replaced
-    only when told (`replace`: --force or --resume), and never one of the run's `inputs`."""
+    only when told (--force, or --resume, which reads and checks them first), with --force only if this script
+    wrote it, and never one of the run's `inputs`."""
     if not os.path.basename(name):
         raise ValueError(f"--out {name!r} names no run; give a name like holmes or runs/holmes")
     paths = [f"{name}.pt", f"{name}.csv", f"{name}.resume.pt"]
@@ -95,9 +116,12 @@ def check_outputs(name, replace, inputs):
         if os.path.exists(path) and not os.path.isfile(path):  # whatever the flags: replacing it would lose it
             raise ValueError(f"cannot write {path!r}: it is not a regular file (a folder, a pipe, a device or a link "
                              "to one); give another --out")
-        if not replace:
+        if not (force or resume):
             cut = f", or --resume to go on from the cut-short run in {paths[2]!r}" if os.path.lexists(paths[2]) else ""
             raise ValueError(f"{path!r} already exists; pass --force to replace it, or --out NAME for a new run{cut}")
+        # with --force, only a file this script wrote (a link is replaced, never what it points at)
+        if force and os.path.isfile(path) and not os.path.islink(path) and not written_here(path):
+            raise ValueError(f"{path!r} is not a file this command wrote; move it or choose another --out")
     check_folder(os.path.dirname(name) or ".")
 
 
@@ -299,7 +323,7 @@ def train(args):
     device = torch.device(args.device)
     name = args.out.removesuffix(".pt")
     resume_file = f"{name}.resume.pt"
-    check_outputs(name, args.force or args.resume, [args.corpus, args.tokenizer])
+    check_outputs(name, args.force, args.resume, [args.corpus, args.tokenizer])
     use_bf16 = device.type == "cuda" or args.bf16
 
     def autocast():

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -59,6 +60,17 @@ def run_main_once(main, argv):
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status, message = exit_status(main, argv, patch)
     return status, out.getvalue(), err.getvalue() + message
+
+
+def run_script(*argv, timeout=120):
+    """A command as a user runs it (python ARGV at the repo's root), in a process of its own: (status, stdout,
+    stderr). One still running after `timeout` seconds fails the test instead of hanging the suite."""
+    try:
+        run = subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"python {' '.join(map(str, argv))} still ran after {timeout} s")
+    return run.returncode, run.stdout, run.stderr
 
 
 def assert_refused(run, message):

@@ -22,27 +22,26 @@ weight once, and the keys and values it attends to) and the rate it reads them a
    llama.cpp f32 and q8_0, on the CPU) beside the Engine's forms; then where each parts from float32.
 """
 import json
-import os
-import sys
 
 import torch
 
 from engines.bench import peers, speed
-from engines.edge.cli import Parser, device_from, run_cli
+from engines.edge.cli import Parser, device_from, run_cli, thread_count
 from engines.edge.errors import BadValue
 from engines.edge.figures import machine, read_bandwidth, untrained_model
-from engines.edge.files import atomic_write, check_output
+from engines.edge.files import atomic_write, check_output, starts_with
 from engines.fast.compile_ways import check_compiler
 
 FULL = dict(batches=(1, 16), lengths=(64, 256, 1024), steps=50, drift=256, compiled_ways=True)
 QUICK = dict(batches=(1, 4), lengths=(8, 16), steps=5, drift=16, compiled_ways=False)  # no extra compiles
 TABLES = "3456"
+REPORT = starts_with(b'{\n "machine": ')  # how json.dump(report, indent=1) begins: --force replaces only that
 
 
 def main():
     ap = Parser(description="The engines' speed tables (3 to 6), beside bench.py's post tables.")
     ap.add_argument("device", nargs="?", default="cpu", help="cpu or cuda")
-    ap.add_argument("threads", nargs="?", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("threads", nargs="?", type=thread_count, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--tables", default="3,4,6", help="which tables to run, e.g. 4,6 (default 3,4,6; 5 is CUDA's)")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per figure (at least 3)")
@@ -55,17 +54,13 @@ def main():
         raise BadValue(f"--tables takes numbers 3 to 6 separated by commas, got {args.tables!r}")
     device = device_from(args.device)
     if args.threads is not None:
-        if args.threads < 1:
-            raise BadValue(f"THREADS must be at least 1, got {args.threads}")
-        if args.threads > os.cpu_count():
-            print(f"{args.threads} threads on {os.cpu_count()} cores oversubscribes them", file=sys.stderr)
         torch.set_num_threads(args.threads)
     if args.runs < 3:
         raise BadValue(f"--runs must be at least 3 (figures are medians), got {args.runs}")
     if args.tokens and min(args.tokens) < 8:
         raise BadValue(f"--tokens must be at least 8 (the warm-up's length), got {min(args.tokens)}")
     if args.json is not None:
-        check_output(args.json, args.force)
+        check_output(args.json, args.force, ours=REPORT)
     if tables & set("346"):  # each times the compiled decode step
         check_compiler(device, "or run only --tables 5")
     sizes = (QUICK if args.quick else FULL) | ({"lengths": tuple(args.tokens)} if args.tokens else {})
@@ -91,7 +86,7 @@ def main():
                           report.setdefault("peers", []))
         peers.table_peers_drift(device, sizes["drift"], report.setdefault("peers_drift", {}))
     if args.json is not None:
-        with atomic_write(args.json, "w", force=args.force) as f:
+        with atomic_write(args.json, "w", force=args.force, ours=REPORT) as f:
             json.dump(report, f, indent=1)
         print(f"\nwrote {args.json}")
 

@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 
-from engines.edge.cli import Parser, check_least, device_from, run_cli
+from engines.edge.cli import Parser, check_least, device_from, run_cli, thread_count
 
 import torch
 
@@ -305,7 +305,7 @@ def main():
     ap.add_argument("--rate", type=float, default=8.0, help="sessions starting a second (Poisson)")
     ap.add_argument("--think", type=float, default=0.2, help="a chat's mean pause between a reply and its next turn, s")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=thread_count, default=torch.get_num_threads())
     ap.add_argument("--checkpoint", default="holmes.pt")
     ap.add_argument("--eager", action="store_true", help="serve.py --eager: its decode step not compiled")
     ap.add_argument("--device", default="cpu", help="serve.py's and the one-at-a-time Engine's: cpu or cuda")
@@ -320,14 +320,14 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     for name, least in (("vllm_kv_gib", 1), ("vllm_dp", 1), ("clients", 1), ("requests", 1), ("rate", 0.01),
-                        ("think", 0), ("max_tokens", 1), ("threads", 1)):
+                        ("think", 0), ("max_tokens", 1)):
         check_least("--" + name.replace("_", "-"), getattr(args, name), least)
     if args.vllm:  # before any work: a missing or wrong vLLM venv is one line
         from engines.scale import vllm_peer
         vllm_python = vllm_peer.check_venv(vllm_peer.venv_path(args.vllm_venv))
-        if args.threads > os.cpu_count() or args.threads % args.vllm_dp:
+        if args.threads % args.vllm_dp:
             raise SystemExit(f"--threads {args.threads}: vLLM binds a thread a core, the same number to each of "
-                             f"--vllm-dp {args.vllm_dp} replicas, and this machine has {os.cpu_count()} cores")
+                             f"--vllm-dp {args.vllm_dp} replicas")
     from engines.edge.figures import machine
     device = device_from(args.device)
     check_dtype(args.dtype, device)

@@ -108,6 +108,19 @@ def add_speed_flags(ap):
                          "and their input rows, one scale a row, multiplied in int8)")
 
 
+def thread_count(text):
+    """argparse's type of every thread count: 1 up to this machine's cores (far past them torch dies of SIGSEGV)."""
+    cores = os.cpu_count() or 1
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= cores:
+        raise argparse.ArgumentTypeError(f"threads must be a whole number in 1..{cores} (this machine's cores), "
+                                         f"got {text!r}")
+    return n
+
+
 def check_count(name, n, least=0):
     """n, a whole number (not a bool) >= least."""
     if isinstance(n, bool) or not isinstance(n, int) or n < least:

@@ -33,6 +33,14 @@ def check_input(path, what, max_bytes, hint=""):
     return info.st_size
 
 
+def check_input_folder(folder, what, max_bytes):
+    """A folder another program reads (an export, for vLLM or transformers): each file in it as check_input has
+    it, since a FIFO there would block that reader for good. Sub-folders are left to the reader."""
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not os.path.isdir(os.path.join(folder, name)):
+            check_input(os.path.join(folder, name), what, max_bytes)
+
+
 def shown(path):
     """A path as one line of a message: as it is, or quoted where it holds a newline or another control."""
     path = os.fspath(path)
@@ -58,11 +66,30 @@ def check_replaceable(path):
                          "one), and only files are ever replaced; give a file path")
 
 
-def check_output(path, force=False, flag="--force", inputs=()):
-    """Before any long work: `path` can be written, and replaces nothing unless told (`flag`). Whatever the
-    flags, refuses an empty path, a folder, a device or a pipe, one of the script's own `inputs`, and a
-    missing or unwritable folder (tried by making atomic_write's temporary file there, the one test that
-    also holds for root and read-only mounts)."""
+def starts_with(magic):
+    """An `ours` test for check_output and place: a file this command wrote begins with `magic`."""
+    def ours(path):
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(magic)) == magic
+        except OSError:
+            return False
+    return ours
+
+
+def check_ours(path, ours, flag="--force"):
+    """With force, a regular file at `path` is replaced only where `ours(path)` knows it for this command's own
+    output: a user's document is never lost (a link is replaced, never what it points at)."""
+    if ours is not None and os.path.isfile(path) and not os.path.islink(path) and not ours(path):
+        raise BadValue(f"{shown(path)} is not a file this command wrote, so {flag} does not replace it; "
+                       "move it or choose another name")
+
+
+def check_output(path, force=False, flag="--force", inputs=(), ours=None):
+    """Before any long work: `path` can be written, and replaces nothing unless told (`flag`), and then only
+    what `ours` recognises (check_ours). Whatever the flags, refuses an empty path, a folder, a device or a
+    pipe, one of the script's own `inputs`, and a missing or unwritable folder (tried by making atomic_write's
+    temporary file there, the one test that also holds for root and read-only mounts)."""
     path = os.fspath(path)
     if not path:
         raise BadValue("the output path is empty; give a file name")
@@ -76,6 +103,7 @@ def check_output(path, force=False, flag="--force", inputs=()):
                              "give another name")
     if os.path.lexists(path) and not force:
         raise BadValue(f"{shown(path)} already exists; pass {flag} to replace it")
+    check_ours(path, ours, flag)
     try:
         fd, probe = temporary_beside(path)  # the very file atomic_write will make first
         os.close(fd)
@@ -93,12 +121,13 @@ def temporary_beside(path):
     return tempfile.mkstemp(prefix=f".{os.path.basename(path)[:40]}.", suffix=".tmp", dir=folder)
 
 
-def place(done, path, force):
+def place(done, path, force, ours=None):
     """Rename the finished file `done` to `path`, judging what stands there at that moment: with force,
-    what check_replaceable allows is replaced; without, the name is taken with O_EXCL first, which fails
-    if anything appeared there while the work ran."""
+    what check_replaceable and check_ours allow is replaced; without, the name is taken with O_EXCL first,
+    which fails if anything appeared there while the work ran."""
     if force:
         check_replaceable(path)
+        check_ours(path, ours)
     else:
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -132,7 +161,7 @@ class WriteFailures(io.FileIO):
 
 
 @contextmanager
-def atomic_write(path, mode="wb", force=False, **open_args):
+def atomic_write(path, mode="wb", force=False, ours=None, **open_args):
     """Write `path` (mode "w" or "wb") through a new temporary file beside it (O_EXCL: never through a
     file or a link), removed if the body fails or is interrupted, then put in place (place). A write that
     fails (a full disk, ulimit -f) is one BadPath naming `path`, whatever the writer made of it."""
@@ -148,6 +177,8 @@ def atomic_write(path, mode="wb", force=False, **open_args):
             with f:
                 yield f
         except Exception as e:
+            if isinstance(e.__context__, KeyboardInterrupt):  # Ctrl-C or SIGTERM inside torch.save's C++ writer
+                raise KeyboardInterrupt from None
             failed = raw.failed or (e if isinstance(e, OSError) else None)
             if failed is None:
                 raise
@@ -156,7 +187,7 @@ def atomic_write(path, mode="wb", force=False, **open_args):
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
-        place(tmp, path, force)
+        place(tmp, path, force, ours)
     except BaseException:
         raw.close()
         os.unlink(tmp)

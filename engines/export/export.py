@@ -12,7 +12,7 @@ import shutil
 import tempfile
 
 from engines.edge.cli import Parser
-from engines.edge.files import appeared, check_output, place, shown
+from engines.edge.files import appeared, check_input_folder, check_output, place, shown, starts_with
 from engines.edge.errors import Appeared, BadPath, BadValue, EngineFailed
 
 import torch
@@ -27,6 +27,7 @@ from engines.export.hf_folder import (HF_FILES, PROMPT, SAMPLE, compare, folder_
 
 
 FOLDER_DTYPES = ("float32", "bfloat16", "float16")
+GGUF = starts_with(b"GGUF")  # every GGUF begins with its magic: --force replaces only such a file
 BROKEN = {
     "layout": "--break layout: q and k rows left in Part 3's interleaved order, which GPT-NeoX reads as halves",
     "rotary": "--break rotary: no rotary_pct, read as transformers 4 reads it (0.25: a quarter of each head rotates)",
@@ -113,7 +114,7 @@ def put_in_place(built, path, force, export_files):
         os.chmod(os.path.join(built, name), 0o666 & ~umask)
     os.chmod(built, (0o777 if os.path.isdir(built) else 0o666) & ~umask)
     if not os.path.isdir(built):
-        place(built, path, force)
+        place(built, path, force, GGUF)  # the one file an export writes
         return
     if not force:
         try:
@@ -215,6 +216,7 @@ def check_folder(args):
         raise BadValue("--check reads a folder and writes nothing; give it with CHECKPOINT and --tokenizer only")
     if not os.path.isdir(args.check) or not os.path.exists(os.path.join(args.check, "config.json")):
         raise BadValue(f"--check {shown(args.check)}: not a folder with a config.json; give an exported folder")
+    check_input_folder(args.check, "exported file", 2**40)  # a FIFO there would block transformers for good
     model, bpe = load_pair(args.checkpoint, args.tokenizer)
     hf, hf_tokenizer = read_folder(args.check)
     dtype = stored_dtype(args.check)
@@ -269,7 +271,7 @@ def main():
         if args.ct2:
             check_out_dir(args.ct2, args.force, peers.CT2_FILES, inputs, "--ct2 DIR")
         if args.gguf:
-            check_output(args.gguf, args.force, inputs=inputs)
+            check_output(args.gguf, args.force, inputs=inputs, ours=GGUF)
     for wanted, module in ((args.gguf, "gguf"), (args.ct2, "ctranslate2")):
         if wanted:
             peers.engine(module)

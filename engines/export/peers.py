@@ -136,7 +136,7 @@ def isolated(name, fn, *args):
     context = multiprocessing.get_context("spawn")  # a clean interpreter: no forked locks or thread pools
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=send_result, args=(send, fn, args), daemon=True)
-    with main_script_hidden():
+    with main_script_hidden(), ctrl_c_ignored():
         child.start()
     send.close()
     try:
@@ -152,6 +152,18 @@ def isolated(name, fn, *args):
     if failed:
         raise result
     return result
+
+
+@contextlib.contextmanager
+def ctrl_c_ignored():
+    """Ctrl-C ignored while a child starts, so the child inherits it ignored from its first instruction: a
+    terminal's Ctrl-C reaches the whole process group, and only this process answers it, in one line (its
+    daemon child ends with it)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import urllib.request
 
 from engines.edge.cli import Parser, run_cli
 from engines.edge.errors import BadValue, EngineFailed, NotFound
+from engines.edge.files import check_input_folder
 
 REQUIREMENTS = "engines/requirements-vllm.txt"
 MAKE = "bash engines/scale/make_vllm_venv.sh"
@@ -84,6 +85,7 @@ def check_venv(venv):
 def check_folder(folder, max_model_len, dtype):
     """The export's config.json, refused in one line where vLLM could not serve it as asked."""
     path = os.path.join(folder, "config.json")
+    check_input_folder(folder, "exported file", 2**40)  # a FIFO there would block vLLM for good
     try:
         with open(path) as f:
             config = json.load(f)

@@ -16,16 +16,18 @@ the first token where each does, instead of asserting.
 import random
 import time
 
-from engines.edge.cli import Parser, check_least, device_from, run_cli
+from engines.edge.cli import Parser, check_least, device_from, run_cli, thread_count
 
 import torch
 
 from engines.edge.checkpoint import load_pair
+from engines.edge.errors import BadValue
 from engines.fast.engine import check_dtype
 from engines.serving.engine import SERVED_DTYPES, Request, ServingEngine
 from prefill_clone import Engine
 from engines.edge.samples import DEFAULT_PROMPT
 
+MAX_CHATS = 10_000  # the docs' run is 16; a thousand times more proves nothing more
 LINES = ["What do you make of the letter?", "Where were you last night, Watson?", "Tell me of the woman.",
          "Who rang the bell at so late an hour?", "The hound, Holmes, the hound!", "Why the speckled band?"]
 KNOBS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=40),
@@ -88,12 +90,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixed-shapes", action="store_true")
     ap.add_argument("--compile", action="store_true", help="the decode step compiled (or loaded from the compile cache)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--threads", type=thread_count, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     ap.add_argument("--dtype", default="float32", choices=SERVED_DTYPES)
     args = ap.parse_args()
-    for name, value, least in (("--chats", args.chats, 1), ("--tokens", args.tokens, 1), ("--threads", args.threads, 0)):
+    for name, value, least in (("--chats", args.chats, 1), ("--tokens", args.tokens, 1)):
         check_least(name, value, least)
+    if args.chats > MAX_CHATS:  # each chat is held, and replayed alone, in memory: 10**9 would run until it ran out
+        raise BadValue(f"--chats must be at most {MAX_CHATS:,} (the check holds and replays every chat), "
+                       f"got {args.chats:,}")
     device = device_from(args.device)
     dtype = check_dtype(args.dtype, device)
     if args.threads:

@@ -2,10 +2,16 @@
 of the function it runs; this one imports nothing heavy, so a child starts in a fraction of a second,
 where a test file's imports (torch, transformers) would cost it seconds."""
 import ctypes
+import time
 
 
 def segfault(*args):
     ctypes.string_at(0)  # reads address 0: SIGSEGV, as a crashing native library would
+
+
+def ready_then_wait():
+    print("ready", flush=True)
+    time.sleep(60)
 
 
 def refuse(message):

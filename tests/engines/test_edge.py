@@ -18,7 +18,7 @@ from engines.edge.checks import check_knobs
 from engines.edge.cli import run_cli, show_progress
 from engines.edge.errors import BadPath, BadValue
 from engines.edge.files import atomic_write, check_input, check_output
-from helpers import ROOT, assert_refused, exit_status, run_main
+from helpers import ROOT, assert_refused, exit_status, run_main, run_script
 from support import command
 
 
@@ -50,6 +50,26 @@ def test_atomic_write_replaces_a_link_at_the_target_instead_of_writing_through_i
     assert kept.read_text() == "keep me" and not (tmp_path / "out.txt").is_symlink()
 
 
+def test_force_replaces_only_what_the_command_recognises_as_its_own_then_and_when_it_is_put_in_place(tmp_path):
+    ours, out = files.starts_with(b"OURS"), tmp_path / "out.bin"
+    out.write_bytes(b"OURS, an earlier run's")
+    check_output(out, force=True, ours=ours)
+    out.write_bytes(b"a user's notes")  # as if written while the work ran
+    refused = f"{out} is not a file this command wrote, so --force does not replace it; move it or choose another name"
+    with pytest.raises(BadValue, match=refused):
+        with atomic_write(out, force=True, ours=ours) as f:
+            f.write(b"OURS, new")
+    with pytest.raises(BadValue, match=refused):
+        check_output(out, force=True, ours=ours)
+    assert out.read_bytes() == b"a user's notes" and os.listdir(tmp_path) == ["out.bin"]
+    out.unlink()
+    out.symlink_to(tmp_path / "notes.txt")  # a link is replaced, never what it points at
+    (tmp_path / "notes.txt").write_text("kept")
+    with atomic_write(out, force=True, ours=ours) as f:
+        f.write(b"OURS, new")
+    assert out.read_bytes() == b"OURS, new" and (tmp_path / "notes.txt").read_text() == "kept"
+
+
 @pytest.mark.parametrize("failure", [ValueError("disk full"), KeyboardInterrupt()])
 def test_a_cut_write_leaves_the_old_file_and_no_temporary(tmp_path, failure):
     out = tmp_path / "out.bin"
@@ -59,6 +79,27 @@ def test_a_cut_write_leaves_the_old_file_and_no_temporary(tmp_path, failure):
             f.write(b"half")
             raise failure
     assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.bin"]
+
+
+def test_an_interrupt_inside_torch_save_unwinds_as_one_leaving_the_old_file(tmp_path):
+    """torch.save's C++ writer says a KeyboardInterrupt raised in its write as a RuntimeError about a position."""
+    import torch
+    out, calls = tmp_path / "out.pt", []
+    out.write_bytes(b"old")
+
+    class Interrupted:  # the signal lands between two of torch.save's writes
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            calls.append(data)
+            if len(calls) == 2:
+                cli.interrupted(signal.SIGINT, None)
+            return self.f.write(data)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with atomic_write(out) as f:
+            torch.save({"w": torch.zeros(10)}, Interrupted(f))
+    assert raised.value.__cause__ is None and out.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.pt"]
 
 
 def test_a_finished_write_is_an_ordinary_file_not_a_private_one(tmp_path):
@@ -290,6 +331,38 @@ def test_what_check_output_accepts_atomic_write_can_write(tmp_path):
     with atomic_write(path) as f:
         f.write(b"kept")
     assert path.read_bytes() == b"kept" and os.listdir(tmp_path) == [path.name]
+
+
+def exported_with_a_fifo(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    os.mkfifo(tmp_path / "hf" / "tokenizer.json")
+    return tmp_path / "hf", "exported file " + str(tmp_path / "hf" / "tokenizer.json")
+
+
+@pytest.mark.parametrize("argv, fifo", [
+    (["engines.serve", "--api-key-file"], lambda d: os.mkfifo(d / "key") or (d / "key", f"--api-key-file {d / 'key'}")),
+    (["engines.export", "--check"], exported_with_a_fifo),
+])
+def test_a_fifo_where_a_command_reads_a_file_is_refused_in_one_line_without_being_opened(argv, fifo, tmp_path):
+    """Before: the server never started and never said why; transformers waited on the folder's FIFO."""
+    path, named = fifo(tmp_path)
+    assert_refused(run_script("-m", *argv, path), f"{named} is not a regular file (a pipe or a device?)")
+
+
+@pytest.mark.parametrize("tool, flags", [("bench.__main__", ["cpu"]), ("serving.check", ["--threads"]),
+                                         ("bench.serving", ["--threads"])])
+@pytest.mark.parametrize("threads", ["0", str(os.cpu_count() + 1), "100000", "two"])
+def test_every_thread_count_past_the_cores_is_refused_in_one_line_before_torch_sees_it(tool, flags, threads,
+                                                                                        monkeypatch, capsys):
+    """Before: 100000 threads died of SIGSEGV inside torch."""
+    import importlib
+    import torch
+    main, asked = importlib.import_module(f"engines.{tool}").main, []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    assert_refused(run_main(command(main), [tool, *flags, threads], monkeypatch, capsys),
+                   f"threads must be a whole number in 1..{os.cpu_count()} (this machine's cores), got {threads!r}")
+    assert asked == []
 
 
 def test_export_without_transformers_names_the_requirements_file_in_one_line(monkeypatch, capsys):

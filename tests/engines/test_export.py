@@ -202,6 +202,9 @@ NOTHING_LOST = {
                             "null exists and is not a folder"),
     "a folder as --gguf": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf", "{w}/old", "--force"],
                            "it is a folder"),
+    "a reader's file as --gguf": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf", "{w}/notes.py",
+                                   "--force"], "{w}/notes.py is not a file this command wrote, so --force does not "
+                                               "replace it; move it or choose another name"),
     "an existing --gguf without --force": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--gguf",
                                             "{w}/notes.py"], "already exists; pass --force"),
     "the working folder as --ct2": (["{w}/holmes.pt", "--tokenizer", "{w}/tokenizer.json", "--ct2", "{w}", "--force"],
@@ -307,7 +310,7 @@ def test_two_exports_into_one_folder_the_second_is_refused_and_the_first_kept(tm
 @pytest.mark.parametrize("output", ["OUT_DIR", "--gguf"])
 def test_a_file_size_limit_exporting_is_one_line_and_keeps_the_old_export(output, tmp_path, monkeypatch):
     a_previous_export(tmp_path / "out")
-    (tmp_path / "model.gguf").write_bytes(b"an earlier GGUF")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF, an earlier one")
     before = sha256s(tmp_path)
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     writer = "write_folder" if output == "OUT_DIR" else "neox_state_dict"  # what comes right before each write

@@ -3,13 +3,14 @@ with another torch than vLLM pins, a folder vLLM cannot serve as asked (its cont
 None of these needs vLLM: the venvs here are stand-ins that say what a real one would (tests/vllm runs vLLM)."""
 import importlib.metadata
 import json
+import os
 import socket
 import sys
 
 import pytest
 
 from engines.scale import vllm_peer
-from helpers import assert_refused, run_main
+from helpers import assert_refused, run_main, run_script
 from support import command
 
 TORCH = importlib.metadata.version("torch")  # what pip says of this venv's torch, as the check reads it
@@ -68,6 +69,13 @@ def test_a_venv_without_vllm_or_with_another_torch(tmp_path, monkeypatch, capsys
 def test_a_folder_vllm_cannot_serve(tmp_path, monkeypatch, capsys, config, argv, message):
     venv = stand_in(tmp_path / "venv", torch_pin=TORCH)
     assert_refused(refused(monkeypatch, capsys, "greedy", folder(tmp_path, **config), "--venv", venv, *argv), message)
+
+
+def test_a_fifo_in_the_folder_is_refused_in_one_line_before_vllm_would_block_on_it(tmp_path):
+    venv, fifo = stand_in(tmp_path / "venv", torch_pin=TORCH), folder(tmp_path) / "model.safetensors"
+    os.mkfifo(fifo)
+    assert_refused(run_script("-m", "engines.scale.vllm_peer", "greedy", fifo.parent, "--venv", venv),
+                   f"exported file {fifo} is not a regular file (a pipe or a device?)")
 
 
 def test_no_folder(tmp_path, monkeypatch, capsys):

@@ -142,7 +142,7 @@ def test_cli_trains_writes_part1_format_and_refuses_a_missing_corpus(tmp_path, m
 
 
 def test_an_existing_tokenizer_is_kept_unless_forced(tmp_path, monkeypatch, capsys, shipped_unchanged):
-    (tmp_path / "mine.json").write_text("my own")
+    (tmp_path / "mine.json").write_text('{"merges": [[104, 105]]}')
     for out in (os.path.join(ROOT, "tokenizer.json"), tmp_path / "mine.json"):
         before = sha256(out)
         run = train_bpe(tmp_path, TEXT.encode(), "--vocab", "300", "--out", out, monkeypatch=monkeypatch, capsys=capsys)
@@ -151,6 +151,17 @@ def test_an_existing_tokenizer_is_kept_unless_forced(tmp_path, monkeypatch, caps
     status, _, err = train_bpe(tmp_path, TEXT.encode(), "--vocab", "300", "--out", tmp_path / "mine.json", "--force",
                                monkeypatch=monkeypatch, capsys=capsys)
     assert status == 0 and len(BPE.load(tmp_path / "mine.json").merges) == 44, err
+
+
+def test_force_replaces_only_a_tokenizer_never_a_users_file(tmp_path, monkeypatch, capsys, shipped_unchanged):
+    """Before: bpe.py --out notes.txt --force replaced the notes."""
+    (tmp_path / "notes.txt").write_text("a user's notes")
+    forbid_training(monkeypatch)
+    run = train_bpe(tmp_path, TEXT.encode(), "--out", tmp_path / "notes.txt", "--force", monkeypatch=monkeypatch,
+                    capsys=capsys)
+    assert_usage_error(run, f"{str(tmp_path / 'notes.txt')!r} is not a file this command wrote (not a tokenizer); "
+                            "move it or choose another --out")
+    assert (tmp_path / "notes.txt").read_text() == "a user's notes"
 
 
 @pytest.mark.parametrize("ids, message", [

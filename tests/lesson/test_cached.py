@@ -10,7 +10,7 @@ import cached
 from bpe import BPE
 from cached import CachedGPT, load
 from helpers import (PART3_CONFIG, ROOT, SMALL, assert_refused, assert_usage_error, one_line_exit, keys_attended, part3_state_dict,
-                     prompts, run_main, uncached_choices)
+                     prompts, run_main, run_script, uncached_choices)
 from model import GPT, Config, rope_at
 
 
@@ -179,6 +179,40 @@ def test_a_file_that_is_not_a_part3_checkpoint_is_one_line_and_exit_1(tmp_path, 
     run = run_main(cached.main, ["cached.py", str(path)], monkeypatch, capsys)
     assert_refused(run, "cached.py: error: ")
     assert message in run[2]
+
+
+@pytest.mark.parametrize("script", ["cached.py", "sample_grid.py", "prefill_clone.py"])
+def test_a_fifo_given_as_the_checkpoint_is_refused_in_one_line_without_being_opened(script, tmp_path):
+    """Before: torch.load opened the FIFO and waited for a writer for good."""
+    os.mkfifo(tmp_path / "fifo.pt")
+    assert_refused(run_script(script, tmp_path / "fifo.pt"),
+                   f"{script}: error: checkpoint '{tmp_path / 'fifo.pt'}' is not a regular file")
+
+
+def another_tokenizer_of_4096(path):
+    """The shipped tokenizer with its last merge changed: the same size, other merges (so other text)."""
+    merges = BPE.load(os.path.join(ROOT, "tokenizer.json")).merges[:-1] + [(0, 1)]
+    path.write_text(json.dumps({"merges": [list(m) for m in merges]}))
+    return path
+
+
+@pytest.mark.parametrize("script", ["cached", "sample_grid", "prefill_clone"])
+def test_a_tokenizer_other_than_the_one_the_checkpoint_records_is_refused_naming_both(script, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """Before: holmes.pt with another 4,096-token tokenizer printed other text with exit 0."""
+    other = another_tokenizer_of_4096(tmp_path / "other.json")
+    main = importlib.import_module(script).main
+    assert_refused(run_main(main, [script, "holmes.pt", "--tokenizer", other], monkeypatch, capsys),
+                   f"{script}.py: error: '{other}' is not the tokenizer 'holmes.pt' was trained with (their merges "
+                   "differ); give that one with --tokenizer")
+
+
+def test_a_part3_checkpoint_records_no_tokenizer_so_any_of_its_size_is_taken(tmp_path):
+    torch.save({"model": part3_state_dict(PART3_CONFIG), "config": dict(PART3_CONFIG), "step": 1500},
+               tmp_path / "part3.pt")
+    model = load(tmp_path / "part3.pt")
+    assert model.trained_with is None
+    assert cached.tokenize(another_tokenizer_of_4096(tmp_path / "other.json"), "Holmes", model)[1].shape == (1, 1)
 
 
 def test_an_empty_prompt_and_a_tokenizer_of_another_size_are_named(tmp_path, random_model, monkeypatch, capsys):

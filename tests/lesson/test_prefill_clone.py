@@ -135,8 +135,10 @@ def test_past_the_window_the_engine_gives_generate_cacheds_tokens():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-n", "0"], "-n and --tokens must be at least 1"),
-    (["--tokens", "-1"], "-n and --tokens must be at least 1"),
+    (["-n", "0"], "-n must be in 1..1000, --tokens in 1..100000"),
+    (["-n", "1001"], "-n must be in 1..1000, --tokens in 1..100000"),  # before: rows until memory ran out
+    (["--tokens", "-1"], "-n must be in 1..1000, --tokens in 1..100000"),
+    (["--tokens", str(10**9)], "-n must be in 1..1000, --tokens in 1..100000"),  # before: ran on, held every token
     (["--seed", "-1"], "--seed in 0..2**63 - n"),
     (["--temperature", "nan"], "--temperature must be 0 (greedy) or in [1e-4, 1e4)"),
     (["--top-p", "0"], "--top-p in (0, 1]"),

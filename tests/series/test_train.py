@@ -275,6 +275,18 @@ def test_force_never_replaces_a_file_the_run_reads(tmp_path, monkeypatch, capsys
     assert (tmp_path / "run.csv").read_text() == CORPUS
 
 
+@pytest.mark.parametrize("victim", RUN_FILES)
+def test_force_replaces_only_the_files_a_run_wrote(tmp_path, killed_after_last_step, victim, monkeypatch, capsys):
+    """Before: --force replaced a user's run.csv (or run.pt) whatever it held."""
+    copy_run(killed_after_last_step, tmp_path)
+    (tmp_path / victim).write_text("step,notes\n1,a user's own table\n")
+    before = {name: sha256(tmp_path / name) for name in RUN_FILES}
+    forbid_tokenizing(monkeypatch)
+    run = train(tmp_path, *TINY, "--force", monkeypatch=monkeypatch, capsys=capsys)
+    assert_refused(run, f"train.py: error: '{victim}' is not a file this command wrote; move it or choose another --out")
+    assert {name: sha256(tmp_path / name) for name in RUN_FILES} == before
+
+
 def test_the_shipped_run_is_never_replaced(monkeypatch, capsys, shipped_unchanged, tmp_path):
     (tmp_path / "corpus.txt").write_text(CORPUS)
     had_data = os.path.exists(os.path.join(ROOT, "data"))
@@ -310,12 +322,22 @@ def interrupt(monkeypatch, where):
                 write_then_sigterm(f)
             real_save(obj, f)
         monkeypatch.setattr(torch, "save", save)
+    elif where.startswith("inside"):  # the signal lands in torch.save's own writing, between two of its writes
+        real_save = torch.save
+
+        def save(obj, f):
+            if ("optimizer" in obj) == (where == "inside resume"):
+                write, calls = f.write, []
+                f.write = lambda data: calls.append(data) or (len(calls) == 2 and sigterm()) or write(data)
+            real_save(obj, f)
+        monkeypatch.setattr(torch, "save", save)
     else:
         monkeypatch.setattr(train_module, "batch", sigterm)
 
 
 @pytest.mark.parametrize("where, victim", [
     ("tokenizing", None), ("step", None), ("csv", "run.csv"), ("checkpoint", "run.pt"), ("resume", "run.resume.pt"),
+    ("inside checkpoint", "run.pt"), ("inside resume", "run.resume.pt"),  # before: torch's 25-line traceback
 ])
 def test_sigterm_mid_run_leaves_no_temporary_file_and_one_line(tmp_path, killed_after_last_step, where, victim,
                                                               monkeypatch, capsys, shipped_unchanged):

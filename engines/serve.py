@@ -34,7 +34,8 @@ import sys
 import threading
 import time
 
-from engines.edge.cli import Parser, check_count, check_fits, check_least, device_from, run_cli
+from engines.edge.cli import (Parser, check_count, check_fits, check_least, check_within, device_from, is_loopback,
+                              run_cli, script_name)
 from engines.edge.errors import BadValue, CompileFailed
 
 from engines.edge.checkpoint import load_pair
@@ -47,10 +48,13 @@ KEY_VARIABLE = "TINY_GPT_API_KEY"  # the key where no other user can read it, un
 STOP_SECONDS = 60  # a stop waits this long for the requests in flight: a full window of tokens takes far less
 
 
+def say(line):
+    print(f"{script_name()}: {line}", file=sys.stderr, flush=True)
+
+
 def listening_socket(host, port):
     """A socket bound to host:port and listening (port 0: a free one), or a one-line refusal."""
-    if not 0 <= port <= 65535:
-        raise BadValue(f"--port must be in 0..65535, got {port}")
+    check_within("--port", port, 0, 65535)
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -98,7 +102,7 @@ def keep_compiled_steps(checkpoint, tokenizer_path, dtype, rows, compile_cache):
     try:
         ServingEngine(model, tokenizer, max_rows=rows, compile=True, compile_cache=compile_cache)
     except CompileFailed as e:
-        sys.exit(f"serve.py: {e}; the decode steps stay eager")
+        sys.exit(f"{script_name()}: {e}; the decode steps stay eager")
 
 
 def swap_in_compiled(engine_loop, compiling, compile_cache):
@@ -108,8 +112,8 @@ def swap_in_compiled(engine_loop, compiling, compile_cache):
     if compiling.exitcode != 0:  # it said why, or the server stopped it
         return
     engine_loop.use_compiled(compile_cache).result()
-    print(f"serve.py: the compiled decode steps serve from now on (ready {time.monotonic() - started:.0f} s after "
-          "the server; the same tokens as the eager ones)", file=sys.stderr, flush=True)
+    say(f"the compiled decode steps serve from now on (ready {time.monotonic() - started:.0f} s after the server; "
+        "the same tokens as the eager ones)")
 
 
 def serve(app, sock, ready_line, compiling=None):
@@ -146,7 +150,7 @@ def serve(app, sock, ready_line, compiling=None):
     if compiling is not None and compiling.is_alive():
         compiling.terminate()
         compiling.join()
-    print("serve.py: stopped", file=sys.stderr)
+    say("stopped")
 
 
 def main():
@@ -229,7 +233,7 @@ def main():
     # and the compiled ones are made in a process of their own and swapped in when ready
     in_process = compile and compiles_in_process(device)
     if in_process:
-        print(f"serve.py: compiling the decode step for each batch size on {device}", file=sys.stderr, flush=True)
+        say(f"compiling the decode step for each batch size on {device}")
     engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE,
                            cache_blocks=blocks, prefill_chunk=args.prefill_chunk, compile=in_process)
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
@@ -246,7 +250,7 @@ def main():
                          daemon=True).start()
         step += ", until the compiled ones are ready (a line says when)"
     where = f"[{host}]" if ":" in host else host
-    serve(app, sock, f"serve.py: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, queue {args.queue}, "
+    serve(app, sock, f"{script_name()}: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, queue {args.queue}, "
                      f"{mib:.0f} MiB of cache, {blocks} blocks of it the prefix cache's; {step}); Ctrl-C stops",
           compiling)
 

@@ -1,4 +1,4 @@
-"""Who may use serve.py's server: the HTTP policy in front of engines/serving/server.py's routes.
+"""Who may use python -m engines.serve's server: the HTTP policy in front of engines/serving/server.py's routes.
 
 A server on the user's own machine is reached by more than the user: every web page their browser opens can
 send it requests. The rules, each answered with OpenAI's error JSON before any route runs:

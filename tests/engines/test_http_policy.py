@@ -1,4 +1,4 @@
-"""Who may use serve.py's server (engines/serving/http_policy.py) and what a chat message may say (engines/serving/openai_request.py's
+"""Who may use python -m engines.serve's server (engines/serving/http_policy.py) and what a chat message may say (engines/serving/openai_request.py's
 template): another site's page, a DNS-rebinding name, a body sent as text/plain, a body past the limit, a
 request without the key, and a message forging another role's line are each refused before anything is
 generated; the page's answers carry the headers that keep it from being framed or sniffed.

@@ -355,7 +355,7 @@ def serve_process():
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         ready = process.stdout.readline()  # the one line it prints once it listens (a hang guard: the pytest run)
-        found = re.match(r"serve\.py: ready at (http://127\.0\.0\.1:\d+)/ \(holmes, 2 rows", ready)
+        found = re.match(r"python -m engines\.serve: ready at (http://127\.0\.0\.1:\d+)/ \(holmes, 2 rows", ready)
         assert found, ready + process.stderr.read() if process.poll() is not None else ready
         yield process, found.group(1)
     finally:
@@ -397,7 +397,7 @@ def test_serve_py_on_a_second_ctrl_c_cuts_its_stream_and_exits_0(serve_process):
     process.send_signal(signal.SIGINT)
     assert process.wait(HANG_GUARD) == 0
     err = process.stderr.read()
-    assert "serve.py: stopped" in err and "terminate called" not in err and "Traceback" not in err, err
+    assert "python -m engines.serve: stopped" in err and "terminate called" not in err and "Traceback" not in err, err
 
 
 def test_serve_refuses_a_port_in_use_or_out_of_range_in_one_line(monkeypatch, capsys):

@@ -92,6 +92,29 @@ def read_api_key(args):
     return key
 
 
+def add_key_flags(ap):
+    """A server's key flags: --api-key-file, --api-key and --no-api-key (served_key reads them)."""
+    ap.add_argument("--api-key-file", metavar="PATH",
+                    help=f"a file holding the key every request but the page and /health must send as "
+                         f"'Authorization: Bearer KEY' (an OpenAI client's api_key); or set ${KEY_VARIABLE}")
+    ap.add_argument("--api-key", metavar="KEY", help="the key on the command line, where every local user can read "
+                                                     "it (ps, /proc): prefer --api-key-file or $" + KEY_VARIABLE)
+    ap.add_argument("--no-api-key", action="store_true",
+                    help="beyond loopback, serve without a key: anyone who reaches the address may use it")
+
+
+def served_key(args):
+    """The key every client must send (read_api_key), or None. Beyond loopback (--host) there must be one, unless
+    --no-api-key opens the server to anyone, which is said on stderr. engines.scale.vllm_peer serve asks the same."""
+    key = read_api_key(args)
+    if not is_loopback(args.host) and key is None:
+        if not args.no_api_key:
+            raise BadValue(f"--host {args.host} listens beyond this machine, where anyone may reach it: give it a key "
+                           f"(--api-key-file PATH or ${KEY_VARIABLE}; every client sends it), or say --no-api-key")
+        say(f"no API key (--no-api-key): anyone who reaches {args.host}:{args.port} may use this server")
+    return key
+
+
 def keep_compiled_steps(checkpoint, tokenizer_path, dtype, rows, compile_cache):
     """In a process of its own: the serving engine's decode steps compiled into compile_cache, or found kept."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to answer: it ends this process
@@ -160,13 +183,7 @@ def main():
     ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface; "
                                                          "beyond loopback a key is needed, or --no-api-key)")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free one (the ready line names it)")
-    ap.add_argument("--api-key-file", metavar="PATH",
-                    help=f"a file holding the key every request but the page and /health must send as "
-                         f"'Authorization: Bearer KEY' (an OpenAI client's api_key); or set ${KEY_VARIABLE}")
-    ap.add_argument("--api-key", metavar="KEY", help="the key on the command line, where every local user can read "
-                                                     "it (ps, /proc): prefer --api-key-file or $" + KEY_VARIABLE)
-    ap.add_argument("--no-api-key", action="store_true",
-                    help="beyond loopback, serve without a key: anyone who reaches the address may use it")
+    add_key_flags(ap)
     ap.add_argument("--allow-host", metavar="NAME[:PORT]", action="append", default=[],
                     help="a name clients reach the server by, beside localhost's (repeat for more); a request "
                          "naming another Host is refused (it stops DNS rebinding; it is not access control)")
@@ -199,28 +216,21 @@ def main():
     from engines.fast.compile_ways import compiler_missing
     from engines.fast.engine import check_dtype, slower_than_float32
     from engines.serving.runner import compiles_in_process
-    from engines.serving.http_policy import allowed_hosts, is_loopback
+    from engines.serving.http_policy import allowed_hosts
     from engines.serving.server import create_app
     from engines.serving.engine import ServingEngine
-    api_key = read_api_key(args)
-    if not is_loopback(args.host) and api_key is None and not args.no_api_key:
-        raise BadValue(f"--host {args.host} listens beyond this machine, where anyone may reach it: give it a key "
-                       f"(--api-key-file PATH or ${KEY_VARIABLE}; every client sends it), or say --no-api-key")
-    if args.no_api_key and not is_loopback(args.host):
-        print(f"serve.py: no API key (--no-api-key): anyone who reaches {args.host}:{args.port} may use this server",
-              file=sys.stderr)
+    api_key = served_key(args)
     device = device_from(args.device)
     dtype = check_dtype(args.dtype, device)
     compile = not args.eager
     if compile and (missing := compiler_missing(device)):
-        print(f"serve.py: {missing}; the decode step runs eager (--eager says so and quiets this line)",
-              file=sys.stderr)
+        say(f"{missing}; the decode step runs eager (--eager says so and quiets this line)")
         compile = False
     compile_cache = check_compile_cache(args.compile_cache) if compile else None
     sock = listening_socket(args.host, args.port)  # before the model loads: a port in use is said at once
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, device)
     if not compile and (note := slower_than_float32(model, dtype, args.rows)):  # eager steps serve throughout
-        print(f"serve.py: {note}", file=sys.stderr)
+        say(note)
     model = model.to(dtype)
     itemsize, context = model.emb.weight.element_size(), model.cfg.context
     rows_bytes = cache_bytes(model.cfg, args.rows, context, itemsize)  # keys and values, every layer

@@ -1,8 +1,8 @@
-"""What a request to serve.py's server (engines/serving/server.py) may ask, read and checked once: seed (absent: a fresh
+"""What a request to python -m engines.serve's server (engines/serving/server.py) may ask, read and checked once: seed (absent: a fresh
 one), temperature (0: greedy), top_p, top_k, repetition_penalty (the lesson's; OpenAI's frequency and presence
 penalties are another thing, refused by name unless 0), stop (a string or a list), max_tokens or
 max_completion_tokens (1 to what the prompt leaves of the window), stream and stream_options.include_usage,
-cache_salt (vLLM's: only requests with the same salt share the prefix cache); model may name anything, answers
+cache_salt (vLLM's: only requests with the same salt share the prefix cache; not empty); model may name anything, answers
 name the served one; n and best_of only 1 (NOT_OFFERED lists the rest). A field not of its type, unknown or not offered
 is refused by name with a 400; the engine's submit checks the values. And CHAT_TEMPLATE, the one text the
 model reads for OpenAI's messages.
@@ -110,6 +110,9 @@ def read_request(body, prompt_field):
         raise Refused(f"stop must be a non-empty string or a list of them, got {shown(fields['stop'])}", "stop")
     if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
         raise Refused(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+    if body.get("cache_salt") == "":
+        raise Refused("cache_salt must be a non-empty string: an empty one would be no salt, sharing the unsalted "
+                      "prefix cache; leave the field out for that", "cache_salt")
     options = fields["stream_options"]
     if options and not fields["stream"]:
         raise Refused('stream_options is for a stream only ("stream": true)', "stream_options")

@@ -283,12 +283,13 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request):
-        steps = "compiled" if engine.runner.compile else "eager"
-        return JSONResponse({"status": "failed" if loop.failed else "ok", "model": model_id, "rows": rows,
-                             "in_flight": len(loop.queues), "decode_steps": steps, "steps": engine.clock.steps,
-                             "step_seconds": dict(engine.clock.seconds),
-                             "decoding_steps": {kind: list(v) for kind, v in engine.clock.decoding.items()}},
-                            status_code=503 if loop.failed else 200)
+        """The status; with the key (or on a server without one) the load too, which moves with others' requests."""
+        status, steps = {"status": "failed" if loop.failed else "ok"}, "compiled" if engine.runner.compile else "eager"
+        if request.scope["with_key"]:
+            status |= {"model": model_id, "rows": rows, "in_flight": len(loop.queues), "decode_steps": steps,
+                       "steps": engine.clock.steps, "step_seconds": dict(engine.clock.seconds),
+                       "decoding_steps": {kind: list(v) for kind, v in engine.clock.decoding.items()}}
+        return JSONResponse(status, status_code=503 if loop.failed else 200)
 
     async def page(request):
         return FileResponse(CHAT_PAGE, media_type="text/html")

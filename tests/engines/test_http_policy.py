@@ -99,6 +99,25 @@ def test_with_an_api_key_every_route_but_the_page_and_health_needs_it(keyed):
     assert keyed.request("GET", "/")[0] == 200 and keyed.http("GET", "/health")[0] == 200
 
 
+def test_with_a_key_health_without_it_says_only_ready_or_not_and_with_it_the_load(keyed):
+    """Before: in flight and step counts, which move with another client's tokens, for anyone to read."""
+    assert keyed.http("GET", "/health") == (200, {"status": "ok"})
+    status, health = keyed.http("GET", "/health", headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and health["status"] == "ok" and {"in_flight", "steps", "step_seconds"} <= set(health)
+
+
+def test_a_host_refused_names_the_command_and_flag_that_serves_it(server):
+    status, answer = server.http("GET", "/v1/models", headers={"Host": f"attacker.example:{server.port}"})
+    assert status == 421 and "python -m engines.serve --allow-host NAME:PORT" in answer["error"]["message"], answer
+
+
+def test_the_chat_pages_key_prompt_names_the_command_and_where_a_key_is_kept_unseen():
+    with open(os.path.join(ROOT, "engines", "serving", "chat.html"), encoding="utf-8") as f:
+        asking = next(line for line in f if "window.prompt(" in line)
+    assert "python -m engines.serve" in asking and "TINY_GPT_API_KEY" in asking and "--api-key-file" in asking
+    assert "serve.py" not in asking and "--api-key)" not in asking, asking
+
+
 def test_every_answer_says_nosniff_no_framing_and_runs_only_its_own_code(server):
     for status, headers, _ in (server.request("GET", "/"), server.request("GET", "/v1/nowhere"),
                                server.request("POST", "/v1/completions", ASK, {"Content-Type": "text/plain"})):

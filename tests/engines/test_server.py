@@ -209,6 +209,7 @@ BAD = [  # (what, path, body, the field the error names or None)
     ("a lone surrogate in a stop", "/v1/completions", {"prompt": "Hi", "stop": ["\ud800"]}, "stop"),
     ("a lone surrogate in a field's name", "/v1/completions", {"prompt": "Hi", "\ud800": 1}, None),
     ("a cache_salt that is not a string", "/v1/completions", {"prompt": "Hi", "cache_salt": 5}, "cache_salt"),
+    ("an empty cache_salt, which would be no salt", "/v1/completions", {"prompt": "Hi", "cache_salt": ""}, "cache_salt"),
     ("a message without a role", "/v1/chat/completions", {"messages": [{"content": "Hi"}]}, "messages[0]"),
     ("no messages", "/v1/chat/completions", {"messages": []}, "messages"),
     ("a message with a name", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "name": "W"}]},

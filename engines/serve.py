@@ -20,9 +20,10 @@ between two steps, the tokens unchanged, a line on stderr saying when. On CUDA (
 step is compiled and captured as a CUDA graph before the ready line (seconds a size). --eager (or no C++
 compiler here) keeps them eager, several times slower under load. The HTTP side is engines/serving/server.py's, its
 fields and chat template engines/serving/openai_request.py's; who may use it (the Host and Origin a request names,
---api-key, the body's size) engines/serving/http_policy.py's.
-One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, finishes those in
-flight (for at most STOP_SECONDS: a client that stalls cannot hold the stop) and exits.
+the key, the body's size) engines/serving/http_policy.py's.
+One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, answers 503 to those whose
+body is still arriving, finishes those in flight (for at most STOP_SECONDS: a client that stalls cannot hold
+the stop) and exits.
 """
 import errno
 import logging
@@ -157,9 +158,9 @@ def serve(app, sock, ready_line, compiling=None):
 
         async def shutdown(self, sockets=None):
             in_flight = len(app.state.engine_loop.queues)
-            print(f"serve.py: stopping; finishing the {in_flight} request(s) in flight, for {STOP_SECONDS} s at most "
-                  "(Ctrl-C again cuts them off)",
-                  file=sys.stderr, flush=True)
+            say(f"stopping; finishing the {in_flight} request(s) in flight, for {STOP_SECONDS} s at most "
+                "(Ctrl-C again cuts them off)")
+            app.state.engine_loop.stopping.set()  # a request whose body is still arriving is answered 503
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_SECONDS, lifespan="on")

@@ -53,6 +53,7 @@ class EngineLoop:
     def __init__(self, engine, in_flight_limit):
         self.engine, self.in_flight_limit = engine, in_flight_limit
         self.inbox, self.queues, self.failed = queue.SimpleQueue(), {}, None
+        self.stopping = asyncio.Event()  # set as the server stops: a body still arriving is not waited for
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
 
     def start(self):
@@ -109,6 +110,18 @@ class EngineLoop:
 
     def cancel(self, request_id):
         self.inbox.put(("cancel", request_id, concurrent.futures.Future()))
+
+    async def unless_stopping(self, work):
+        """What the awaitable `work` gives, or a 503 once the server stops first (a client that holds its body
+        half-sent would otherwise hold the stop)."""
+        work, stop = asyncio.ensure_future(work), asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not work.done():
+            work.cancel()
+            raise Refused("the server is stopping; send the request again once it is back", status=503,
+                          kind="server_error", code="stopping")
+        return work.result()
 
     def use_compiled(self, compile_cache):
         """Have the engine's thread load the compiled decode steps kept in compile_cache between two steps
@@ -209,7 +222,7 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
 
     async def answer(request, chat):
         try:
-            data = await request.body()
+            data = await loop.unless_stopping(request.body())
         except ClientDisconnect:  # gone mid-body: nobody to answer
             return Response(status_code=499)
         fields, ids = await asyncio.to_thread(parsed, data, chat)

@@ -381,8 +381,29 @@ def test_serve_py_on_a_signal_finishes_its_stream_and_exits_0_saying_so(serve_pr
     assert rest.rstrip().endswith("data: [DONE]") and events[-1]["choices"][0]["finish_reason"] == "length"
     assert process.wait(HANG_GUARD) == 0
     err = process.stderr.read()
-    assert "serve.py: stopping; finishing the" in err and "serve.py: stopped" in err, err
+    assert "python -m engines.serve: stopping; finishing the" in err and "python -m engines.serve: stopped" in err, err
     assert "Traceback" not in err
+
+
+def test_serve_py_on_sigterm_answers_a_half_sent_body_503_at_once_and_stops_quietly(serve_process):
+    """Before: it waited its whole STOP_SECONDS for the rest of the body, then printed uvicorn's traceback of the
+    cut. The 100 Continue says the app is reading the body (no race with the signal); the bound is a hang guard
+    shorter than STOP_SECONDS, not a speed test."""
+    from engines.serve import STOP_SECONDS
+    process, url = serve_process
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": "The night was", "max_tokens": 5}).encode()
+    connection = socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD)
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (port, len(body)))
+    assert connection.recv(4096).startswith(b"HTTP/1.1 100 "), "the app never asked for the body"
+    connection.sendall(body[:len(body) // 2])
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(STOP_SECONDS // 2) == 0
+    answer = b"".join(iter(lambda: connection.recv(4096), b""))
+    assert answer.startswith(b"HTTP/1.1 503 ") and b'"code":"stopping"' in answer, answer
+    err = process.stderr.read()
+    assert "Traceback" not in err and all(line.startswith("python -m engines.serve: ") for line in err.splitlines()), err
 
 
 def test_serve_py_on_a_second_ctrl_c_cuts_its_stream_and_exits_0(serve_process):

@@ -166,11 +166,12 @@ class EngineLoop:
 
 
 async def texts(events, chat):
-    """(text, event) for each event; a chat reply without the whitespace before its first character."""
+    """(text, event) for each event; a chat reply without its first character where that is a space, which
+    chat_prompt puts back (openai_request.CHAT_TEMPLATE)."""
     started = not chat
     async for event in events:
-        text = event.text if started else event.text.lstrip()  # whole characters stay whole
-        started = started or bool(text)
+        text = event.text if started else event.text.removeprefix(" ")
+        started = started or bool(event.text)
         yield text, event
 
 

@@ -152,12 +152,13 @@ def test_no_message_can_speak_for_another_role():
 
 def read_back(prompt):
     """The messages a prompt of CHAT_TEMPLATE (less its last line) reads as: a line that begins with a role's
-    name, a colon and a space begins a message of that role; every other line continues the one before."""
+    name and a colon begins a message of that role (its content after one space, if one follows); every other
+    line continues the one before."""
     messages = []
     for line in prompt.split("\n"):
-        label, colon, content = line.partition(": ")
+        label, colon, content = line.partition(":")
         if colon and label in ROLES.values():
-            messages.append([label, content])
+            messages.append([label, content.removeprefix(" ")])
         else:
             messages[-1][1] += "\n" + line
     return messages

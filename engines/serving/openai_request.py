@@ -1,8 +1,8 @@
-"""What a request to serve.py's server (engines/serving/server.py) may ask, read and checked once: seed (absent: a fresh
+"""What a request to python -m engines.serve's server (engines/serving/server.py) may ask, read and checked once: seed (absent: a fresh
 one), temperature (0: greedy), top_p, top_k, repetition_penalty (the lesson's; OpenAI's frequency and presence
 penalties are another thing, refused by name unless 0), stop (a string or a list), max_tokens or
 max_completion_tokens (1 to what the prompt leaves of the window), stream and stream_options.include_usage,
-cache_salt (vLLM's: only requests with the same salt share the prefix cache); model may name anything, answers
+cache_salt (vLLM's: only requests with the same salt share the prefix cache; not empty); model may name anything, answers
 name the served one; n and best_of only 1 (NOT_OFFERED lists the rest). A field not of its type, unknown or not offered
 is refused by name with a 400; the engine's submit checks the values. And CHAT_TEMPLATE, the one text the
 model reads for OpenAI's messages.
@@ -11,13 +11,15 @@ import json
 
 from engines.serving.http_policy import Refused
 
-CHAT_TEMPLATE = """One line a message, its role's name, a colon, a space and its content ("System: ...", "User: ...",
-"Assistant: ..."; "developer" reads as System), joined by newlines, then a last line "Assistant:" for the
-model to go on from. A message whose content holds a line that begins with a role's name and a colon is
-refused: it would read as a message of that role, so one text could speak for others. The reply ends at
-max_tokens, at a stop string, or where the model begins a line of a role (the server adds ROLE_LINES to the
-stops, so a reply sent back as history is never refused); the whitespace before its first character (the
-space after "Assistant:") is dropped, so the reply sent back as history reads as the model wrote it."""
+CHAT_TEMPLATE = """One line a message, its role's name, a colon, a space (none where the content is empty or begins
+with a newline) and its content ("System: ...", "User: ...", "Assistant: ..."; "developer" reads as System),
+joined by newlines, then a last line "Assistant:" for the model to go on from. A message whose content holds a
+line that begins with a role's name and a colon is refused: it would read as a message of that role, so one
+text could speak for others. The reply ends at max_tokens, at a stop string, or where the model begins a line
+of a role (the server adds ROLE_LINES to the stops, so a reply sent back as history is never refused). It comes
+back as the model wrote it, less one space where it begins with one (the space after "Assistant:"), so that,
+sent back as history, it makes the very text generated: the next turn's prompt begins with this turn's
+prompt and reply, and the prefix cache holds them."""
 ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 ROLE_LINES = [f"\n{name}:" for name in ("System", "User", "Assistant")]
 MAX_STOPS, MAX_STOP_CHARS = 4, 64  # OpenAI's 4 stop strings; every token is checked against each
@@ -110,6 +112,9 @@ def read_request(body, prompt_field):
         raise Refused(f"stop must be a non-empty string or a list of them, got {shown(fields['stop'])}", "stop")
     if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
         raise Refused(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+    if body.get("cache_salt") == "":
+        raise Refused("cache_salt must be a non-empty string: an empty one would be no salt, sharing the unsalted "
+                      "prefix cache; leave the field out for that", "cache_salt")
     options = fields["stream_options"]
     if options and not fields["stream"]:
         raise Refused('stream_options is for a stream only ("stream": true)', "stream_options")
@@ -139,5 +144,6 @@ def chat_prompt(messages):
             raise Refused(f"messages[{i}]'s content holds a line that begins {forged[1:]!r}, which would read as a "
                           "message of that role; send it as a message of its own, or begin the line otherwise",
                           f"messages[{i}]")
-        lines.append(f"{ROLES[role]}: {content}")
+        space = "" if content == "" or content.startswith("\n") else " "  # a reply is sent back as it was written
+        lines.append(f"{ROLES[role]}:{space}{content}")
     return "\n".join(lines + ["Assistant:"])

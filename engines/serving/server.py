@@ -53,6 +53,7 @@ class EngineLoop:
     def __init__(self, engine, in_flight_limit):
         self.engine, self.in_flight_limit = engine, in_flight_limit
         self.inbox, self.queues, self.failed = queue.SimpleQueue(), {}, None
+        self.stopping = asyncio.Event()  # set as the server stops: a body still arriving is not waited for
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
 
     def start(self):
@@ -110,6 +111,18 @@ class EngineLoop:
     def cancel(self, request_id):
         self.inbox.put(("cancel", request_id, concurrent.futures.Future()))
 
+    async def unless_stopping(self, work):
+        """What the awaitable `work` gives, or a 503 once the server stops first (a client that holds its body
+        half-sent would otherwise hold the stop)."""
+        work, stop = asyncio.ensure_future(work), asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not work.done():
+            work.cancel()
+            raise Refused("the server is stopping; send the request again once it is back", status=503,
+                          kind="server_error", code="stopping")
+        return work.result()
+
     def use_compiled(self, compile_cache):
         """Have the engine's thread load the compiled decode steps kept in compile_cache between two steps
         (ServingEngine.use_compiled); a future, done once they run. The engine's own thread, not this one: torch's
@@ -153,11 +166,12 @@ class EngineLoop:
 
 
 async def texts(events, chat):
-    """(text, event) for each event; a chat reply without the whitespace before its first character."""
+    """(text, event) for each event; a chat reply without its first character where that is a space, which
+    chat_prompt puts back (openai_request.CHAT_TEMPLATE)."""
     started = not chat
     async for event in events:
-        text = event.text if started else event.text.lstrip()  # whole characters stay whole
-        started = started or bool(text)
+        text = event.text if started else event.text.removeprefix(" ")
+        started = started or bool(event.text)
         yield text, event
 
 
@@ -209,7 +223,7 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
 
     async def answer(request, chat):
         try:
-            data = await request.body()
+            data = await loop.unless_stopping(request.body())
         except ClientDisconnect:  # gone mid-body: nobody to answer
             return Response(status_code=499)
         fields, ids = await asyncio.to_thread(parsed, data, chat)
@@ -283,12 +297,13 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request):
-        steps = "compiled" if engine.runner.compile else "eager"
-        return JSONResponse({"status": "failed" if loop.failed else "ok", "model": model_id, "rows": rows,
-                             "in_flight": len(loop.queues), "decode_steps": steps, "steps": engine.clock.steps,
-                             "step_seconds": dict(engine.clock.seconds),
-                             "decoding_steps": {kind: list(v) for kind, v in engine.clock.decoding.items()}},
-                            status_code=503 if loop.failed else 200)
+        """The status; with the key (or on a server without one) the load too, which moves with others' requests."""
+        status, steps = {"status": "failed" if loop.failed else "ok"}, "compiled" if engine.runner.compile else "eager"
+        if request.scope["with_key"]:
+            status |= {"model": model_id, "rows": rows, "in_flight": len(loop.queues), "decode_steps": steps,
+                       "steps": engine.clock.steps, "step_seconds": dict(engine.clock.seconds),
+                       "decoding_steps": {kind: list(v) for kind, v in engine.clock.decoding.items()}}
+        return JSONResponse(status, status_code=503 if loop.failed else 200)
 
     async def page(request):
         return FileResponse(CHAT_PAGE, media_type="text/html")

@@ -1,4 +1,4 @@
-"""Who may use serve.py's server (engines/serving/http_policy.py) and what a chat message may say (engines/serving/openai_request.py's
+"""Who may use python -m engines.serve's server (engines/serving/http_policy.py) and what a chat message may say (engines/serving/openai_request.py's
 template): another site's page, a DNS-rebinding name, a body sent as text/plain, a body past the limit, a
 request without the key, and a message forging another role's line are each refused before anything is
 generated; the page's answers carry the headers that keep it from being framed or sniffed.
@@ -96,6 +96,25 @@ def test_with_an_api_key_every_route_but_the_page_and_health_needs_it(keyed):
     assert keyed.request("GET", "/")[0] == 200 and keyed.http("GET", "/health")[0] == 200
 
 
+def test_with_a_key_health_without_it_says_only_ready_or_not_and_with_it_the_load(keyed):
+    """Before: in flight and step counts, which move with another client's tokens, for anyone to read."""
+    assert keyed.http("GET", "/health") == (200, {"status": "ok"})
+    status, health = keyed.http("GET", "/health", headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and health["status"] == "ok" and {"in_flight", "steps", "step_seconds"} <= set(health)
+
+
+def test_a_host_refused_names_the_command_and_flag_that_serves_it(server):
+    status, answer = server.http("GET", "/v1/models", headers={"Host": f"attacker.example:{server.port}"})
+    assert status == 421 and "python -m engines.serve --allow-host NAME:PORT" in answer["error"]["message"], answer
+
+
+def test_the_chat_pages_key_prompt_names_the_command_and_where_a_key_is_kept_unseen():
+    with open(os.path.join(ROOT, "engines", "serving", "chat.html"), encoding="utf-8") as f:
+        asking = next(line for line in f if "window.prompt(" in line)
+    assert "python -m engines.serve" in asking and "TINY_GPT_API_KEY" in asking and "--api-key-file" in asking
+    assert "serve.py" not in asking and "--api-key)" not in asking, asking
+
+
 def test_every_answer_says_nosniff_no_framing_and_runs_only_its_own_code(server):
     for status, headers, _ in (server.request("GET", "/"), server.request("GET", "/v1/nowhere"),
                                server.request("POST", "/v1/completions", ASK, {"Content-Type": "text/plain"})):
@@ -130,12 +149,13 @@ def test_no_message_can_speak_for_another_role():
 
 def read_back(prompt):
     """The messages a prompt of CHAT_TEMPLATE (less its last line) reads as: a line that begins with a role's
-    name, a colon and a space begins a message of that role; every other line continues the one before."""
+    name and a colon begins a message of that role (its content after one space, if one follows); every other
+    line continues the one before."""
     messages = []
     for line in prompt.split("\n"):
-        label, colon, content = line.partition(": ")
+        label, colon, content = line.partition(":")
         if colon and label in ROLES.values():
-            messages.append([label, content])
+            messages.append([label, content.removeprefix(" ")])
         else:
             messages[-1][1] += "\n" + line
     return messages

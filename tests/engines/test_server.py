@@ -138,16 +138,22 @@ def test_sixteen_concurrent_seeded_streams_each_equal_the_same_request_alone(ser
     assert together == alone
 
 
-def test_a_chats_second_turn_reports_cached_tokens_and_says_what_a_fresh_engine_says(server, gated, pair):
+def test_a_chats_second_turn_reuses_its_first_turns_prompt_and_reply_and_says_what_a_fresh_engine_says(server, gated,
+                                                                                                        pair):
+    """Every full block of turn 1's prompt and reply (all its tokens but the last, which is never fed) is reused.
+    Before: the reply, which begins "\n\n", came back stripped and was sent back after "Assistant: ", so turn 2
+    parted from turn 1 right after the prompt (48 of the 64 here)."""
     turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who rang the bell?"}]
-    first = server.client.chat.completions.create(model="holmes", messages=turn, max_tokens=6, temperature=0)
+    first = server.client.chat.completions.create(model="holmes", messages=turn, max_tokens=20, temperature=0)
     template = f"System: {SYSTEM}\nUser: Who rang the bell?\nAssistant:"  # the documented chat template
     assert first.usage.prompt_tokens == len(pair[1].encode(template))
+    written = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the positions whose keys were made
     turn += [{"role": "assistant", "content": first.choices[0].message.content},
              {"role": "user", "content": "And what of the mud on his boots?"}]
     second = server.client.chat.completions.create(model="holmes", messages=turn, max_tokens=6, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < second.usage.prompt_tokens, second.usage
+    block = server.engine.block_size
+    assert cached == written // block * block > first.usage.prompt_tokens // block * block, (written, second.usage)
     fresh = gated.client.chat.completions.create(model="holmes", messages=turn, max_tokens=6, temperature=0)
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert second.choices[0].message.content == fresh.choices[0].message.content
@@ -206,6 +212,7 @@ BAD = [  # (what, path, body, the field the error names or None)
     ("a lone surrogate in a stop", "/v1/completions", {"prompt": "Hi", "stop": ["\ud800"]}, "stop"),
     ("a lone surrogate in a field's name", "/v1/completions", {"prompt": "Hi", "\ud800": 1}, None),
     ("a cache_salt that is not a string", "/v1/completions", {"prompt": "Hi", "cache_salt": 5}, "cache_salt"),
+    ("an empty cache_salt, which would be no salt", "/v1/completions", {"prompt": "Hi", "cache_salt": ""}, "cache_salt"),
     ("a message without a role", "/v1/chat/completions", {"messages": [{"content": "Hi"}]}, "messages[0]"),
     ("no messages", "/v1/chat/completions", {"messages": []}, "messages"),
     ("a message with a name", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "name": "W"}]},
@@ -352,7 +359,7 @@ def serve_process():
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         ready = process.stdout.readline()  # the one line it prints once it listens (a hang guard: the pytest run)
-        found = re.match(r"serve\.py: ready at (http://127\.0\.0\.1:\d+)/ \(holmes, 2 rows", ready)
+        found = re.match(r"python -m engines\.serve: ready at (http://127\.0\.0\.1:\d+)/ \(holmes, 2 rows", ready)
         assert found, ready + process.stderr.read() if process.poll() is not None else ready
         yield process, found.group(1)
     finally:
@@ -377,8 +384,29 @@ def test_serve_py_on_a_signal_finishes_its_stream_and_exits_0_saying_so(serve_pr
     assert rest.rstrip().endswith("data: [DONE]") and events[-1]["choices"][0]["finish_reason"] == "length"
     assert process.wait(HANG_GUARD) == 0
     err = process.stderr.read()
-    assert "serve.py: stopping; finishing the" in err and "serve.py: stopped" in err, err
+    assert "python -m engines.serve: stopping; finishing the" in err and "python -m engines.serve: stopped" in err, err
     assert "Traceback" not in err
+
+
+def test_serve_py_on_sigterm_answers_a_half_sent_body_503_at_once_and_stops_quietly(serve_process):
+    """Before: it waited its whole STOP_SECONDS for the rest of the body, then printed uvicorn's traceback of the
+    cut. The 100 Continue says the app is reading the body (no race with the signal); the bound is a hang guard
+    shorter than STOP_SECONDS, not a speed test."""
+    from engines.serve import STOP_SECONDS
+    process, url = serve_process
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": "The night was", "max_tokens": 5}).encode()
+    connection = socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD)
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (port, len(body)))
+    assert connection.recv(4096).startswith(b"HTTP/1.1 100 "), "the app never asked for the body"
+    connection.sendall(body[:len(body) // 2])
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(STOP_SECONDS // 2) == 0
+    answer = b"".join(iter(lambda: connection.recv(4096), b""))
+    assert answer.startswith(b"HTTP/1.1 503 ") and b'"code":"stopping"' in answer, answer
+    err = process.stderr.read()
+    assert "Traceback" not in err and all(line.startswith("python -m engines.serve: ") for line in err.splitlines()), err
 
 
 def test_serve_py_on_a_second_ctrl_c_cuts_its_stream_and_exits_0(serve_process):
@@ -394,7 +422,7 @@ def test_serve_py_on_a_second_ctrl_c_cuts_its_stream_and_exits_0(serve_process):
     process.send_signal(signal.SIGINT)
     assert process.wait(HANG_GUARD) == 0
     err = process.stderr.read()
-    assert "serve.py: stopped" in err and "terminate called" not in err and "Traceback" not in err, err
+    assert "python -m engines.serve: stopped" in err and "terminate called" not in err and "Traceback" not in err, err
 
 
 def test_serve_refuses_a_port_in_use_or_out_of_range_in_one_line(monkeypatch, capsys):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from engines.scale import vllm_peer
-from helpers import assert_refused, run_main, run_script
+from helpers import assert_refused, free_port, run_main, run_script
 from support import command
 
 TORCH = importlib.metadata.version("torch")  # what pip says of this venv's torch, as the check reads it
@@ -90,3 +90,46 @@ def test_a_taken_port(tmp_path, monkeypatch, capsys):
         port = taken.getsockname()[1]
         assert_refused(refused(monkeypatch, capsys, "serve", folder(tmp_path), "--venv", venv, "--port", port),
                        f"port {port} on 127.0.0.1 is taken")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "99999"], "--port must be in 1..65535, got 99999"),
+    (["--port", "-1"], "--port must be in 1..65535, got -1"),
+    (["--cpus", "abc"], "--cpus 'abc': name cores as vLLM binds them"),
+    (["--cpus", "0-99999"], "--cpus '0-99999' names no core or one this process cannot run on"),
+    (["--max-model-len", "0"], "--max-model-len must be at least 1, got 0"),
+    (["--max-model-len", "-5"], "--max-model-len must be at least 1, got -5"),
+    (["--host", "0.0.0.0"], "--host 0.0.0.0 listens beyond this machine, where anyone may reach it: give it a key"),
+])
+def test_a_bad_argument_is_one_line_before_vllm_starts(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.delenv("TINY_GPT_API_KEY", raising=False)
+    monkeypatch.setattr(vllm_peer.os, "execve", started)
+    venv = stand_in(tmp_path / "venv", torch_pin=TORCH)
+    assert_refused(refused(monkeypatch, capsys, "serve", folder(tmp_path), "--venv", venv, *argv), message)
+
+
+def test_a_config_that_is_not_an_object_is_one_line(tmp_path, monkeypatch, capsys):
+    venv, path = stand_in(tmp_path / "venv", torch_pin=TORCH), folder(tmp_path)
+    (path / "config.json").write_text("[1, 2]")
+    assert_refused(refused(monkeypatch, capsys, "greedy", path, "--venv", venv), "holds no JSON object of settings")
+
+
+class Started(Exception):
+    """vLLM would start here."""
+
+
+def started(python, command, env):
+    raise Started(command, env)
+
+
+def test_serve_beyond_loopback_hands_vllm_the_key_in_its_environment_not_its_command_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINY_GPT_API_KEY", "sk-peer-key")
+    monkeypatch.setattr(vllm_peer.os, "execve", started)
+    venv = stand_in(tmp_path / "venv", torch_pin=TORCH)
+    monkeypatch.setattr(sys, "argv", ["vllm_peer.py", "serve", str(folder(tmp_path)), "--venv", str(venv),
+                                      "--host", "0.0.0.0", "--port", str(free_port())])
+    with pytest.raises(Started) as start:
+        vllm_peer.main()
+    command, env = start.value.args
+    assert env["VLLM_API_KEY"] == "sk-peer-key" and "sk-peer-key" not in " ".join(command)
+    assert command[command.index("--host") + 1] == "0.0.0.0"

@@ -15,7 +15,7 @@ import torch
 
 from bpe import BPE
 from engines.edge.cli import check_fits, device_from, first_line
-from engines.edge.errors import BadValue
+from engines.edge.errors import BadValue, refusing
 from engines.edge.files import atomic_write, check_input, shown
 from cached import CachedGPT
 from model import GPT, Config
@@ -186,7 +186,7 @@ def save_checkpoint(model, path, step, tokenizer=None, force=False):
 def tokenizer_for(model, checkpoint, tokenizer_path):
     """The tokenizer at tokenizer_path, refused if it is not the one the checkpoint records, or, for a
     checkpoint that records none (Part 3's), if its vocabulary differs in size."""
-    tokenizer = BPE.load(tokenizer_path)
+    tokenizer = refusing(BPE.load)(tokenizer_path)
     if tokenizer.vocab_size != model.cfg.vocab_size:
         raise BadValue(f"{shown(tokenizer_path)} has {tokenizer.vocab_size} tokens but {shown(checkpoint)} a vocabulary of "
                          f"{model.cfg.vocab_size}; give the tokenizer this checkpoint was trained with (--tokenizer)")

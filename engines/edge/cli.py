@@ -43,18 +43,6 @@ def interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
-LESSON = {"model.py", "sampling.py", "cached.py", "prefill_clone.py", "bpe.py"}
-
-
-def from_the_lesson(error):
-    """Whether a ValueError was raised by the lesson's own code: its refusals (a checkpoint, a tokenizer, scores
-    that are not finite) are ValueErrors naming what is wrong, as the post's scripts raise them."""
-    tb = error.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return os.path.basename(tb.tb_frame.f_code.co_filename) in LESSON
-
-
 def run_cli(main):
     """Run a script's main; bad input (a BadInput) becomes one line on stderr and exit status 1, any other
     exception, a bug, keeps its traceback. SIGTERM unwinds like Ctrl-C, so every atomic_write in progress
@@ -73,14 +61,10 @@ def run_cli(main):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one while this is said would cut it off
         print(file=sys.stderr)
         sys.exit(f"{name}: interrupted; nothing half-written was left behind")
-    except BadInput as e:
-        sys.exit(f"{name}: error: {e}")
-    except ValueError as e:
-        if not from_the_lesson(e):
-            raise
+    except BadInput as e:  # the lesson's refusals among them: the engines raise them again as BadValue (refusing)
         sys.exit(f"{name}: error: {e}")
     except OSError as e:
-        # a write failure without a file name: standard output's (a file of main's fails as a BadPath)
+        # a write failure without a file name: standard output's (a file of main's fails as a BadInput)
         if e.filename is not None or e.errno not in STDOUT_FAILURES:
             raise
         try:  # standard output points at the null device from here, so the flush at exit cannot complain again

@@ -13,7 +13,7 @@ import copy
 import sys
 
 from engines.edge.cli import DTYPE_NAMES, Parser, add_speed_flags, as_id, device_from, run_cli
-from engines.edge.errors import BadValue
+from engines.edge.errors import BadValue, refusing
 
 import torch
 
@@ -25,12 +25,14 @@ from engines.fast.graph_pick import stages_for
 from engines.fast.int8 import quantized
 from engines.fast.matmul import choose, kernel_named, with_kernel
 from engines.serving.runner import ModelRunner
-from model import check_finite
+import model as lesson
 from engines.edge.samples import add_sample_flags, sample_knobs, show_samples
 from engines.fast.kv_cache import KVCache, clone_prompt
 from engines.fast.rope import with_row_attention
 from engines.edge.timing import measure
 from prefill_clone import Engine
+
+check_finite = refusing(lesson.check_finite)  # the lesson's refusal, said in one line by run_cli
 
 
 # the steps generate_batch runs back to back: enough that the Python after them is a small share of theirs,

@@ -1,7 +1,6 @@
 """What every script shares at its command line: one-line errors (run_cli), checked arguments, a progress line."""
 import argparse
 import errno
-import ipaddress
 import operator
 import os
 import signal
@@ -81,20 +80,6 @@ def run_cli(main):
         sys.exit(f"{name}: error: out of memory; ask for fewer rows or tokens, or a smaller model")
 
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "int8")  # what --dtype may say; engines/fast/engine.py runs each
-
-
-def add_speed_flags(ap):
-    """--compile, --compile-cache and --dtype, for the scripts that can run engines.fast.engine's FastEngine."""
-    ap.add_argument("--compile", action="store_true",
-                    help="run the decode step compiled (a minute or so the first time, then loaded from the cache)")
-    ap.add_argument("--compile-cache", metavar="DIR", default=None,
-                    help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
-    ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
-                    help="weights and cache (float16: CUDA; int8: the Linears' weights, one scale per output channel, "
-                         "and their input rows, one scale a row, multiplied in int8)")
-
-
 def thread_count(text):
     """argparse's type of every thread count: 1 up to this machine's cores (far past them torch dies of SIGSEGV)."""
     cores = os.cpu_count() or 1
@@ -123,14 +108,6 @@ def check_least(name, value, least):
 def check_within(name, value, least, most):
     if not least <= value <= most:  # a NaN too
         raise BadValue(f"{name} must be in {least}..{most}, got {value}")
-
-
-def is_loopback(host):
-    """Whether --host listens on this machine alone."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def as_id(token, what, limit, within="the vocabulary"):
@@ -205,15 +182,3 @@ def show_progress(label, done, total, started, note=""):
     line = f"{label}: {done:,}/{total:,}{', ' + note if note else ''}, ETA {eta:.0f}s"
     print(f"\r{line[:78]} " if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
     state.update(shown=now, drawn=True)
-
-
-def with_progress(fn, total, label):
-    """fn, showing on stderr how many of its `total` calls have begun (show_progress)."""
-    started, done = time.time(), 0
-
-    def counted(*args):
-        nonlocal done
-        done += 1
-        show_progress(label, done, total, started)
-        return fn(*args)
-    return counted

@@ -140,7 +140,7 @@ def test_drift_from_float32_on_the_trained_weights_is_reported_and_bounded(dtype
 def test_the_bytes_a_step_reads_are_every_weight_once_and_the_cache_it_attends_to():
     from cached import CachedGPT
     from model import Config
-    from engines.edge import figures
+    from engines.bench import figures
     d, vocab, layers, kv_width = 64, 128, 2, 32  # two kv heads of four: grouped-query, a half-width cache
     model = CachedGPT(Config(vocab_size=vocab, d_model=d, n_heads=4, n_kv_heads=2, n_layers=layers, context=32)).eval()
     # the embedding, tied to the head; per block two norms (weight and bias), qkv and out (no bias), the MLP's two
@@ -167,5 +167,5 @@ def test_the_bytes_a_step_reads_are_every_weight_once_and_the_cache_it_attends_t
 
 
 def test_the_bandwidth_measure_is_a_positive_finite_rate():
-    from engines.edge import figures
+    from engines.bench import figures
     assert 0 < figures.read_bandwidth(torch.device("cpu")) < math.inf

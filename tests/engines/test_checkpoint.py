@@ -12,12 +12,12 @@ from engines.edge import cli
 import sample_grid
 from cached import CachedGPT
 from bpe import BPE
-from engines.edge.checkpoint import load_cached, load_checkpoint, load_pair, parameter_count, save_checkpoint
+from engines.edge.checkpoint import load_cached, load_checkpoint, load_pair, parameter_count
 from engines.edge.cli import check_fits, device_from
 from engines.edge.errors import BadInput
 from engines.fast import engine as fast_engine
 from helpers import PART3_CONFIG, assert_refused, one_line_exit, part3_state_dict, run_main, small
-from support import command
+from support import command, save_checkpoint
 from model import GPT, Config
 
 

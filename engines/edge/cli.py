@@ -157,28 +157,23 @@ def check_fits(nbytes, what, device):
                        f"{have / 2**30:.1f} GiB of available {kind}; ask for fewer rows or tokens")
 
 
-PROGRESS = {"started": None, "shown": 0.0, "drawn": False}
-QUIET_FOR = 2.0  # seconds of work that need no progress line at all
-REDRAW_EVERY = 0.25  # a terminal line, redrawn at most this often
-LOG_EVERY = 10.0  # a plain line in a log file or pipe, at most this often
+PROGRESS = {"started": None, "shown": 0.0}  # the run a line is shown for, and when it last was
+QUIET_FOR, REDRAW_EVERY, LOG_EVERY = 2.0, 0.25, 10.0  # seconds: work with no line; a terminal's redraws; a log's lines
 
 
-def show_progress(label, done, total, started, note=""):
-    """How far `done` of `total` is, with an ETA, on stderr: in a terminal one line redrawn a few times a
-    second and cleared at the end, in a file or a pipe a plain line every LOG_EVERY seconds."""
-    now, state = time.time(), PROGRESS
+def show_progress(label, done, total, started):
+    """How far `done` of `total` is, with an ETA, on stderr: in a terminal one line redrawn a few times a second
+    and cleared at the end; in a log file, a pipe or `docker logs` a plain line every LOG_EVERY seconds.
+    (tqdm redraws with a carriage return in a log too, one endless line there; rich's live display draws
+    nothing there until the end: neither keeps issue 18's plain lines.)"""
+    now, tty, state = time.time(), sys.stderr.isatty(), PROGRESS
     if state["started"] != started:
-        state.update(started=started, shown=started, drawn=False)
-    tty = sys.stderr.isatty()
+        state.update(started=started, shown=started)
     if done >= total:
-        if state["drawn"] and tty:
+        if tty and state["shown"] != started:  # a line was drawn: clear it
             print("\r" + " " * 79 + "\r", end="", file=sys.stderr, flush=True)
-        state.update(started=None, drawn=False)
-        return
-    elapsed = now - started
-    if elapsed < QUIET_FOR or now - state["shown"] < (REDRAW_EVERY if tty else LOG_EVERY):
-        return
-    eta = elapsed / max(done, 1) * (total - done)
-    line = f"{label}: {done:,}/{total:,}{', ' + note if note else ''}, ETA {eta:.0f}s"
-    print(f"\r{line[:78]} " if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
-    state.update(shown=now, drawn=True)
+        state["started"] = None
+    elif now - started >= QUIET_FOR and now - state["shown"] >= (REDRAW_EVERY if tty else LOG_EVERY):
+        line = f"{label}: {done:,}/{total:,}, ETA {(now - started) / max(done, 1) * (total - done):.0f}s"
+        print(f"\r{line[:78]} " if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+        state["shown"] = now

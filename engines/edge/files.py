@@ -3,6 +3,11 @@
 Only regular files are ever replaced, and only when told (--force, --resume),
 judged again when the finished file is put in place; every write goes through a
 new temporary file beside the target, renamed into place (atomic_write).
+
+The engines' one atomic write. The lesson's (inside bpe.BPE.save) and series/train.py's stay their own,
+as those files import nothing of engines/; this one adds what the engines' outputs need beyond them: a
+failed write said as one line naming the path, --force judged again when the file is put in place, and
+only regular files ever replaced.
 """
 import errno
 import io

@@ -120,8 +120,8 @@ class Engine:
                 [[m[i] for _, m in steps if m[i] is not None] for i in range(len(self.rows))])
 
 
-def main():
-    ap = argparse.ArgumentParser(description="One prompt pass, N samples: nanochat's prefill-and-clone trick.")
+def flags(ap):
+    """The command line: a checkpoint, a prompt, N samples and their knobs."""
     ap.add_argument("checkpoint", nargs="?", default="holmes.pt")
     ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     ap.add_argument("-n", type=int, default=8, help="number of samples")
@@ -131,6 +131,11 @@ def main():
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--device", default="cpu")
+    return ap
+
+
+def main():
+    ap = flags(argparse.ArgumentParser(description="One prompt pass, N samples: nanochat's prefill-and-clone trick."))
     args = ap.parse_args()
     if not 1 <= args.n <= 1000 or not 1 <= args.tokens <= 100_000 or not 0 <= args.seed < 2**63 - args.n:
         ap.error("-n must be in 1..1000, --tokens in 1..100000, --seed in 0..2**63 - n")

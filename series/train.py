@@ -291,7 +291,7 @@ def log_line(text):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Train the Part 3 GPT on a text corpus.")
+    ap = argparse.ArgumentParser(prog="python -m series.train", description="Train the Part 3 GPT on a text corpus.")
     ap.add_argument("--corpus", required=True, help="UTF-8 text file")
     ap.add_argument("--tokenizer", default="tokenizer.json")
     ap.add_argument("--steps", type=int, default=1500)
@@ -314,9 +314,9 @@ def main():
     try:
         train(args)
     except (ValueError, OSError) as e:  # what the user gave: an argument, a file, a folder
-        sys.exit(f"train.py: error: {e}")
+        sys.exit(f"{ap.prog}: error: {e}")
     except KeyboardInterrupt:
-        sys.exit("train.py: interrupted; nothing half-written was left behind")
+        sys.exit(f"{ap.prog}: interrupted; nothing half-written was left behind")
 
 
 def train(args):

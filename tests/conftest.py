@@ -1,10 +1,17 @@
 """The fixtures every test file may use: the suite runs in the repository's folder, the shipped files stay
-as they were, and one finished small training run to copy. Nothing of engines/, and nothing compiles."""
+as they were, the shipped model, and one finished small training run to copy. Nothing of engines/, and nothing compiles."""
 import os
 
 import pytest
 
+import cached
 from helpers import ROOT, SHIPPED, TINY, in_process, sha256
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """holmes.pt as cached.load gives it (a CachedGPT in eval mode), loaded once a test file: the tests read it."""
+    return cached.load(os.path.join(ROOT, "holmes.pt"))
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ import torch
 from engines.bench import peers, speed
 from engines.edge.cli import Parser, device_from, run_cli, thread_count
 from engines.edge.errors import BadValue
-from engines.edge.figures import machine, read_bandwidth, untrained_model
+from engines.bench.figures import machine, read_bandwidth, untrained_model
 from engines.edge.files import atomic_write, check_output, starts_with
 from engines.fast.compile_ways import check_compiler
 

@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 
-from engines.edge.figures import bandwidth_cells, bytes_per_step, put_bandwidth
+from engines.bench.figures import bandwidth_cells, bytes_per_step, put_bandwidth
 from bpe import BPE
 from cached import first_difference
 from engines.export import peers

@@ -328,7 +328,7 @@ def main():
         if args.threads % args.vllm_dp:
             raise SystemExit(f"--threads {args.threads}: vLLM binds a thread a core, the same number to each of "
                              f"--vllm-dp {args.vllm_dp} replicas")
-    from engines.edge.figures import machine
+    from engines.bench.figures import machine
     device = device_from(args.device)
     check_dtype(args.dtype, device)
     info = machine(device) | {"threads": args.threads, "dtype": args.dtype}

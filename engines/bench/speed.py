@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from engines.edge.figures import bandwidth_cells, bytes_per_step, put_bandwidth, untrained_model
+from engines.bench.figures import bandwidth_cells, bytes_per_step, put_bandwidth, untrained_model
 from cached import first_difference
 from engines.edge.checkpoint import load_cached as load
 from engines.fast.compile_ways import compile_ways
@@ -20,7 +20,8 @@ from engines.fast.decode_step import DecodeStep, GraphCache
 from engines.fast.engine import FastEngine
 from engines.fast.matmul import KERNELS, choose, with_kernel
 from engines.fast.rope import with_row_attention
-from engines.edge.timing import measure, sync
+from bench import sync
+from engines.edge.timing import measure
 
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.int8: "int8"}

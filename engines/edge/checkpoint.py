@@ -15,8 +15,8 @@ import torch
 
 from bpe import BPE
 from engines.edge.cli import check_fits, device_from, first_line
-from engines.edge.errors import BadValue
-from engines.edge.files import atomic_write, check_input, shown
+from engines.edge.errors import BadValue, refusing
+from engines.edge.files import check_input, shown
 from cached import CachedGPT
 from model import GPT, Config
 
@@ -161,32 +161,14 @@ def load_checkpoint(path, device="cpu", cls=GPT):
     check_state_dict(ckpt["model"], expected, path)
     model = cls(cfg)
     model.load_state_dict(ckpt["model"], strict=True)
-    model.trained_with = ckpt.get("tokenizer")  # what save_checkpoint recorded of the tokenizer, if anything
+    model.trained_with = ckpt.get("tokenizer")  # what series/train.py recorded of the tokenizer, if anything
     return model.to(device).eval()
-
-
-def part3_config(cfg):
-    """The config dict a checkpoint holds: Part 3's six fields, n_kv_heads only when it is not n_heads,
-    so Part 3's own loader (Config(**ckpt["config"]) on a six-field dataclass) reads what this repo writes."""
-    d = {name: getattr(cfg, name) for name in PART3_FIELDS}
-    return d | ({"n_kv_heads": cfg.n_kv_heads} if cfg.n_kv_heads != cfg.n_heads else {})
-
-
-def save_checkpoint(model, path, step, tokenizer=None, force=False):
-    """Part 3's checkpoint format, through a new temporary file and a rename, so a cut run leaves no half file.
-
-    tokenizer: what bpe.BPE.record() says of the tokenizer it was trained with; kept beside
-    the config, not in it, so Part 3's loader still reads the file. An existing file at `path` is
-    replaced only with force."""
-    ckpt = {"model": model.state_dict(), "config": part3_config(model.cfg), "step": step}
-    with atomic_write(path, force=force) as f:
-        torch.save(ckpt | ({"tokenizer": tokenizer} if tokenizer else {}), f)
 
 
 def tokenizer_for(model, checkpoint, tokenizer_path):
     """The tokenizer at tokenizer_path, refused if it is not the one the checkpoint records, or, for a
     checkpoint that records none (Part 3's), if its vocabulary differs in size."""
-    tokenizer = BPE.load(tokenizer_path)
+    tokenizer = refusing(BPE.load)(tokenizer_path)
     if tokenizer.vocab_size != model.cfg.vocab_size:
         raise BadValue(f"{shown(tokenizer_path)} has {tokenizer.vocab_size} tokens but {shown(checkpoint)} a vocabulary of "
                          f"{model.cfg.vocab_size}; give the tokenizer this checkpoint was trained with (--tokenizer)")

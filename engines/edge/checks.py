@@ -12,8 +12,9 @@ from typing import NamedTuple
 
 import torch
 
+import bpe
 from engines.edge.cli import as_id, check_count, check_fits
-from engines.edge.errors import BadValue
+from engines.edge.errors import BadValue, refusing
 
 
 # Sampling knobs
@@ -40,7 +41,7 @@ def check_knobs(temperature=1.0, top_k=0, top_p=1.0, penalty=1.0):
 
 def prompt_ids(tokenizer, text, model):
     """The prompt's ids (1, T) on the model's device."""
-    ids = tokenizer.encode(text)
+    ids = refusing(tokenizer.encode)(text)
     if not ids:
         raise BadValue("the prompt is empty; give at least one character")
     return torch.tensor([ids], device=model.emb.weight.device)
@@ -85,12 +86,7 @@ def check_seeds(seed, n, name="seed"):
     return range(first, first + n)
 
 
-def utf8_bytes(text):
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadValue(f"text cannot be UTF-8 encoded ({e.reason} at index {e.start}); "
-                       "remove lone surrogates before tokenizing") from None
+utf8_bytes = refusing(bpe.utf8_bytes)  # text as UTF-8, a lone surrogate refused by name
 
 
 class Request(NamedTuple):

@@ -1,7 +1,6 @@
 """What every script shares at its command line: one-line errors (run_cli), checked arguments, a progress line."""
 import argparse
 import errno
-import ipaddress
 import operator
 import os
 import signal
@@ -43,18 +42,6 @@ def interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
-LESSON = {"model.py", "sampling.py", "cached.py", "prefill_clone.py", "bpe.py"}
-
-
-def from_the_lesson(error):
-    """Whether a ValueError was raised by the lesson's own code: its refusals (a checkpoint, a tokenizer, scores
-    that are not finite) are ValueErrors naming what is wrong, as the post's scripts raise them."""
-    tb = error.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return os.path.basename(tb.tb_frame.f_code.co_filename) in LESSON
-
-
 def run_cli(main):
     """Run a script's main; bad input (a BadInput) becomes one line on stderr and exit status 1, any other
     exception, a bug, keeps its traceback. SIGTERM unwinds like Ctrl-C, so every atomic_write in progress
@@ -73,14 +60,10 @@ def run_cli(main):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one while this is said would cut it off
         print(file=sys.stderr)
         sys.exit(f"{name}: interrupted; nothing half-written was left behind")
-    except BadInput as e:
-        sys.exit(f"{name}: error: {e}")
-    except ValueError as e:
-        if not from_the_lesson(e):
-            raise
+    except BadInput as e:  # the lesson's refusals among them: the engines raise them again as BadValue (refusing)
         sys.exit(f"{name}: error: {e}")
     except OSError as e:
-        # a write failure without a file name: standard output's (a file of main's fails as a BadPath)
+        # a write failure without a file name: standard output's (a file of main's fails as a BadInput)
         if e.filename is not None or e.errno not in STDOUT_FAILURES:
             raise
         try:  # standard output points at the null device from here, so the flush at exit cannot complain again
@@ -95,20 +78,6 @@ def run_cli(main):
         if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("allocate", "out of memory")):
             raise
         sys.exit(f"{name}: error: out of memory; ask for fewer rows or tokens, or a smaller model")
-
-
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "int8")  # what --dtype may say; engines/fast/engine.py runs each
-
-
-def add_speed_flags(ap):
-    """--compile, --compile-cache and --dtype, for the scripts that can run engines.fast.engine's FastEngine."""
-    ap.add_argument("--compile", action="store_true",
-                    help="run the decode step compiled (a minute or so the first time, then loaded from the cache)")
-    ap.add_argument("--compile-cache", metavar="DIR", default=None,
-                    help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
-    ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
-                    help="weights and cache (float16: CUDA; int8: the Linears' weights, one scale per output channel, "
-                         "and their input rows, one scale a row, multiplied in int8)")
 
 
 def thread_count(text):
@@ -139,14 +108,6 @@ def check_least(name, value, least):
 def check_within(name, value, least, most):
     if not least <= value <= most:  # a NaN too
         raise BadValue(f"{name} must be in {least}..{most}, got {value}")
-
-
-def is_loopback(host):
-    """Whether --host listens on this machine alone."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def as_id(token, what, limit, within="the vocabulary"):
@@ -196,40 +157,23 @@ def check_fits(nbytes, what, device):
                        f"{have / 2**30:.1f} GiB of available {kind}; ask for fewer rows or tokens")
 
 
-PROGRESS = {"started": None, "shown": 0.0, "drawn": False}
-QUIET_FOR = 2.0  # seconds of work that need no progress line at all
-REDRAW_EVERY = 0.25  # a terminal line, redrawn at most this often
-LOG_EVERY = 10.0  # a plain line in a log file or pipe, at most this often
+PROGRESS = {"started": None, "shown": 0.0}  # the run a line is shown for, and when it last was
+QUIET_FOR, REDRAW_EVERY, LOG_EVERY = 2.0, 0.25, 10.0  # seconds: work with no line; a terminal's redraws; a log's lines
 
 
-def show_progress(label, done, total, started, note=""):
-    """How far `done` of `total` is, with an ETA, on stderr: in a terminal one line redrawn a few times a
-    second and cleared at the end, in a file or a pipe a plain line every LOG_EVERY seconds."""
-    now, state = time.time(), PROGRESS
+def show_progress(label, done, total, started):
+    """How far `done` of `total` is, with an ETA, on stderr: in a terminal one line redrawn a few times a second
+    and cleared at the end; in a log file, a pipe or `docker logs` a plain line every LOG_EVERY seconds.
+    (tqdm redraws with a carriage return in a log too, one endless line there; rich's live display draws
+    nothing there until the end: neither keeps issue 18's plain lines.)"""
+    now, tty, state = time.time(), sys.stderr.isatty(), PROGRESS
     if state["started"] != started:
-        state.update(started=started, shown=started, drawn=False)
-    tty = sys.stderr.isatty()
+        state.update(started=started, shown=started)
     if done >= total:
-        if state["drawn"] and tty:
+        if tty and state["shown"] != started:  # a line was drawn: clear it
             print("\r" + " " * 79 + "\r", end="", file=sys.stderr, flush=True)
-        state.update(started=None, drawn=False)
-        return
-    elapsed = now - started
-    if elapsed < QUIET_FOR or now - state["shown"] < (REDRAW_EVERY if tty else LOG_EVERY):
-        return
-    eta = elapsed / max(done, 1) * (total - done)
-    line = f"{label}: {done:,}/{total:,}{', ' + note if note else ''}, ETA {eta:.0f}s"
-    print(f"\r{line[:78]} " if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
-    state.update(shown=now, drawn=True)
-
-
-def with_progress(fn, total, label):
-    """fn, showing on stderr how many of its `total` calls have begun (show_progress)."""
-    started, done = time.time(), 0
-
-    def counted(*args):
-        nonlocal done
-        done += 1
-        show_progress(label, done, total, started)
-        return fn(*args)
-    return counted
+        state["started"] = None
+    elif now - started >= QUIET_FOR and now - state["shown"] >= (REDRAW_EVERY if tty else LOG_EVERY):
+        line = f"{label}: {done:,}/{total:,}, ETA {(now - started) / max(done, 1) * (total - done):.0f}s"
+        print(f"\r{line[:78]} " if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+        state["shown"] = now

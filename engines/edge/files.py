@@ -3,6 +3,11 @@
 Only regular files are ever replaced, and only when told (--force, --resume),
 judged again when the finished file is put in place; every write goes through a
 new temporary file beside the target, renamed into place (atomic_write).
+
+The engines' one atomic write. The lesson's (inside bpe.BPE.save) and series/train.py's stay their own,
+as those files import nothing of engines/; this one adds what the engines' outputs need beyond them: a
+failed write said as one line naming the path, --force judged again when the file is put in place, and
+only regular files ever replaced.
 """
 import errno
 import io
@@ -11,7 +16,7 @@ import stat
 import tempfile
 from contextlib import contextmanager
 
-from engines.edge.errors import Appeared, BadPath, BadValue, NotFound
+from engines.edge.errors import Appeared, BadInput, BadValue
 
 
 def check_input(path, what, max_bytes, hint=""):
@@ -22,7 +27,7 @@ def check_input(path, what, max_bytes, hint=""):
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise NotFound(f"{what} {shown(path)} not found{'; ' + hint if hint else ''}") from None
+        raise BadInput(f"{what} {shown(path)} not found{'; ' + hint if hint else ''}") from None
     if stat.S_ISDIR(info.st_mode):
         raise BadValue(f"{what} {shown(path)} is a folder; give a file")
     if not stat.S_ISREG(info.st_mode):
@@ -58,7 +63,7 @@ def check_replaceable(path):
         raise BadValue(f"cannot write {shown(path)}: {shown(os.path.dirname(path))} is not a folder; "
                          "give a path in a folder") from None
     except OSError as e:  # a name longer than the filesystem holds, a loop of links
-        raise BadPath(f"cannot write {shown(path)}: {e.strerror}; give another name") from None
+        raise BadInput(f"cannot write {shown(path)}: {e.strerror}; give another name") from None
     if stat.S_ISDIR(mode):
         raise BadValue(f"cannot write {shown(path)}: it is a folder; give a file name")
     if not stat.S_ISREG(mode):
@@ -110,7 +115,7 @@ def check_output(path, force=False, flag="--force", inputs=(), ours=None):
         os.unlink(probe)
     except OSError as e:
         why = "is not writable" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "holds no new file"
-        raise BadPath(f"cannot write {shown(path)}: the folder {shown(folder)} {why} ({e.strerror})") from None
+        raise BadInput(f"cannot write {shown(path)}: the folder {shown(folder)} {why} ({e.strerror})") from None
     return path
 
 
@@ -164,7 +169,7 @@ class WriteFailures(io.FileIO):
 def atomic_write(path, mode="wb", force=False, ours=None, **open_args):
     """Write `path` (mode "w" or "wb") through a new temporary file beside it (O_EXCL: never through a
     file or a link), removed if the body fails or is interrupted, then put in place (place). A write that
-    fails (a full disk, ulimit -f) is one BadPath naming `path`, whatever the writer made of it."""
+    fails (a full disk, ulimit -f) is one BadInput naming `path`, whatever the writer made of it."""
     path = os.fspath(path)
     fd, tmp = temporary_beside(path)
     raw = WriteFailures(fd, "wb")
@@ -182,7 +187,7 @@ def atomic_write(path, mode="wb", force=False, ours=None, **open_args):
             failed = raw.failed or (e if isinstance(e, OSError) else None)
             if failed is None:
                 raise
-            raise BadPath(f"cannot write {shown(path)}: {failed.strerror or failed}; "
+            raise BadInput(f"cannot write {shown(path)}: {failed.strerror or failed}; "
                           "nothing was written there") from None
         umask = os.umask(0)
         os.umask(umask)

@@ -13,7 +13,7 @@ import tempfile
 
 from engines.edge.cli import Parser
 from engines.edge.files import appeared, check_input_folder, check_output, place, shown, starts_with
-from engines.edge.errors import Appeared, BadPath, BadValue, EngineFailed
+from engines.edge.errors import Appeared, BadInput, BadValue, EngineFailed
 
 import torch
 import transformers
@@ -66,7 +66,7 @@ def check_out_dir(path, force, export_files, inputs, flag):
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
     except OSError as e:
-        raise BadPath(f"cannot write {shown(path)}: the folder {shown(parent)} is not writable ({e.strerror})") \
+        raise BadInput(f"cannot write {shown(path)}: the folder {shown(parent)} is not writable ({e.strerror})") \
             from None
     if not os.path.lexists(path):
         return
@@ -309,7 +309,7 @@ def main():
     except Exception as e:
         if write_failure(e) is None:
             raise
-        raise BadPath(f"cannot write {listing([shown(p) for p in outputs])}: {write_failure(e)}; "
+        raise BadInput(f"cannot write {listing([shown(p) for p in outputs])}: {write_failure(e)}; "
                       "nothing was written there") from None
     finally:
         for work in works:

@@ -18,7 +18,7 @@ import zipfile
 
 from engines.edge.cli import first_line
 from engines.edge.files import atomic_write, check_output, shown
-from engines.edge.errors import BadPath
+from engines.edge.errors import BadInput
 
 import torch
 
@@ -55,7 +55,7 @@ def check_compile_cache(folder=None):
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
-        raise BadPath(f"cannot make the compile cache folder {shown(folder)} ({e.strerror}); "
+        raise BadInput(f"cannot make the compile cache folder {shown(folder)} ({e.strerror}); "
                       "name another with --compile-cache") from None
     check_output(os.path.join(folder, "decode-step.pt2"), force=True)  # the folder is writable
     return folder

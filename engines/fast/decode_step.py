@@ -26,7 +26,8 @@ from engines.fast.compile_ways import COMPILED_ATTENTION, WAY_FIELDS, check_comp
 from engines.fast.graph_pick import GraphPick, Knobs
 from engines.fast.rope import with_row_attention
 from engines.fast.kv_cache import KVCache
-from engines.edge.timing import median, timings
+from bench import median
+from engines.edge.timing import timings
 
 
 # the torch.compile'd graphs one process may hold for the decode step: a batch size and pick each

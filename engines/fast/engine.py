@@ -11,26 +11,31 @@ the tokens a second; the same samples as python prefill_clone.py.
 """
 import copy
 import sys
+import time
 
-from engines.edge.cli import DTYPE_NAMES, Parser, add_speed_flags, as_id, device_from, run_cli
-from engines.edge.errors import BadValue
+from engines.edge.cli import Parser, as_id, check_count, device_from, run_cli
+from engines.edge.errors import BadValue, refusing
 
 import torch
 
 import sampling
 from engines.edge.checkpoint import load_pair
-from engines.edge.checks import check_request
+from engines.edge.checks import check_cache, check_knobs, check_request, check_seeds, prompt_ids
 from engines.fast.compile_cache import check_compile_cache
 from engines.fast.graph_pick import stages_for
 from engines.fast.int8 import quantized
 from engines.fast.matmul import choose, kernel_named, with_kernel
 from engines.serving.runner import ModelRunner
-from model import check_finite
-from engines.edge.samples import add_sample_flags, sample_knobs, show_samples
+import model as lesson
 from engines.fast.kv_cache import KVCache, clone_prompt
 from engines.fast.rope import with_row_attention
+from bench import sync
+from engines.edge.cli import show_progress
 from engines.edge.timing import measure
+import prefill_clone
 from prefill_clone import Engine
+
+check_finite = refusing(lesson.check_finite)  # the lesson's refusal, said in one line by run_cli
 
 
 # the steps generate_batch runs back to back: enough that the Python after them is a small share of theirs,
@@ -38,7 +43,7 @@ from prefill_clone import Engine
 AHEAD = 16
 
 # int8: the Linears' weights and their input rows (Int8Linear), the cache float32
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "int8")}
 
 
 def check_dtype(dtype, device):
@@ -289,21 +294,59 @@ class FastEngine(Engine):
         return self.compile_seconds[batch, stages]
 
 
+def sample_knobs(args):
+    """The knobs of a run of N samples (prefill_clone.flags), its -n, --seed and --tokens checked first."""
+    check_count("-n", args.n, 1)
+    check_seeds(args.seed, args.n, "--seed")
+    check_count("--tokens", args.tokens, 1)
+    knobs = dict(temperature=args.temperature, top_p=args.top_p)
+    check_knobs(**knobs)
+    return knobs
+
+
+def timed_generation(engine, tokens, n, n_tokens, **kwargs):
+    """(time to first token, total time, rows) for Engine.generate run to the end, its progress on stderr."""
+    device = engine.model.emb.weight.device
+    sync(device)
+    t0, started = time.perf_counter(), time.time()
+    rows, ttft = [[] for _ in range(n)], None
+    for step, (column, _) in enumerate(engine.generate(tokens, n, max_tokens=n_tokens, **kwargs), 1):
+        ttft = ttft or time.perf_counter() - t0
+        show_progress("tokens", step, n_tokens, started)
+        for row, token in zip(rows, column):
+            row.append(token)
+    sync(device)
+    return ttft, time.perf_counter() - t0, rows
+
+
 def main():
-    ap = Parser(description="One prompt pass, N samples, the decode step made fast: prefill_clone.py on FastEngine.")
-    add_sample_flags(ap)
-    add_speed_flags(ap)
+    ap = prefill_clone.flags(Parser(description="One prompt pass, N samples, the decode step made fast: "
+                                                "prefill_clone.py on FastEngine."))
+    ap.add_argument("--compile", action="store_true",
+                    help="run the decode step compiled (a minute or so the first time, then loaded from the cache)")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help="where compiled decode steps are kept (default: $XDG_CACHE_HOME/tiny-gpt or ~/.cache/tiny-gpt)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES,
+                    help="weights and cache (float16: CUDA; int8: the Linears' weights, one scale per output channel, "
+                         "and their input rows, one scale a row, multiplied in int8)")
     args = ap.parse_args()
     knobs, speed = sample_knobs(args), speed_flags(args)
     model, tokenizer = load_pair(args.checkpoint, args.tokenizer, args.device)
     if not args.compile and (note := slower_than_float32(model, speed["dtype"], args.n)):  # compiled: timed, said
         print(f"engine: {note}", file=sys.stderr)
     engine = FastEngine(model, tokenizer, **speed)
-
-    def prepare():  # compiling (or measuring the kernels) first, so that no timing or ETA holds it
-        seconds = engine.prepare(args.n, [knobs])
-        return f", {args.dtype}" + (f"; the compiled decode step ready in {seconds:.1f} s before" if args.compile else "")
-    show_samples(engine, tokenizer, args, knobs, prepare)
+    tokens = prompt_ids(tokenizer, args.prompt, model)[0].tolist()
+    check_cache(model, args.n, engine.cache_len(len(tokens), args.tokens))  # before anything allocates it
+    seconds = engine.prepare(args.n, [knobs])  # compiling (or measuring the kernels) first: no timing or ETA holds it
+    engine.generate_batch(tokens, 1, max_tokens=1, seed=args.seed, **knobs)  # warm: a GPU's start-up is no token's
+    ttft, seconds_all, rows = timed_generation(engine, tokens, args.n, args.tokens, seed=args.seed, **knobs)
+    for i, row in enumerate(rows):
+        print(f"--- sample {i} (seed {args.seed + i})")
+        print(tokenizer.decode(tokens + row))
+    ready = f"; the compiled decode step ready in {seconds:.1f} s before" if args.compile else ""
+    print(f"\nprompt {len(tokens)} tokens, {args.n} samples x {args.tokens} tokens: first token in "
+          f"{ttft * 1e3:.1f} ms, {args.n * args.tokens / seconds_all:,.0f} tok/s ({args.device}, "
+          f"{torch.get_num_threads()} threads, {args.dtype}{ready})")
 
 
 if __name__ == "__main__":

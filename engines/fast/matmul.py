@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from cached import CachedGPT
 from engines.fast.int8 import INT8_KERNELS, Int8Linear, float_sums, replacing_linears
-from engines.edge.timing import median, timings
+from bench import median
+from engines.edge.timing import timings
 
 
 PREPARED = weakref.WeakKeyDictionary()  # layer -> {kernel name: (weight version, reordered weight)}

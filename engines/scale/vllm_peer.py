@@ -25,7 +25,7 @@ import time
 import urllib.request
 
 from engines.edge.cli import Parser, check_least, check_within, run_cli
-from engines.edge.errors import BadValue, EngineFailed, NotFound
+from engines.edge.errors import BadInput, BadValue, EngineFailed
 from engines.edge.files import check_input_folder
 from engines.serve import add_key_flags, served_key
 
@@ -68,7 +68,7 @@ def check_venv(venv):
     """The venv's python, once it holds vLLM and the torch vLLM pins; else one line saying how to make it."""
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
-        raise NotFound(f"no vLLM venv at {venv} (no bin/python); make it: {MAKE}")
+        raise BadInput(f"no vLLM venv at {venv} (no bin/python); make it: {MAKE}")
     probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True)
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
@@ -93,7 +93,7 @@ def check_folder(folder, max_model_len, dtype):
         with open(path) as f:
             config = json.load(f)
     except (OSError, ValueError) as e:
-        raise NotFound(f"{folder} is not an exported folder vLLM can read ({path}: {e.__class__.__name__}); "
+        raise BadInput(f"{folder} is not an exported folder vLLM can read ({path}: {e.__class__.__name__}); "
                        "make one: python -m engines.export holmes.pt FOLDER") from None
     if not isinstance(config, dict):
         raise BadValue(f"{path} holds no JSON object of settings; export the folder again")

@@ -24,8 +24,7 @@ from engines.edge.checkpoint import load_pair
 from engines.edge.errors import BadValue
 from engines.fast.engine import check_dtype
 from engines.serving.engine import SERVED_DTYPES, Request, ServingEngine
-from prefill_clone import Engine
-from engines.edge.samples import DEFAULT_PROMPT
+from prefill_clone import DEFAULT_PROMPT, Engine
 
 MAX_CHATS = 10_000  # the docs' run is 16; a thousand times more proves nothing more
 LINES = ["What do you make of the letter?", "Where were you last night, Watson?", "Tell me of the woman.",

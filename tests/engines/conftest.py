@@ -21,7 +21,9 @@ if missing:
     pytest.skip(f"the engines' tests: {reason}", allow_module_level=True)
 
 from engines.fast import compile_ways  # noqa: E402 (after the skip)
-from support import compile_ahead, compiled_engines, compiled_model, plain_ways
+from engines.edge.checkpoint import load_pair  # noqa: E402
+from helpers import ROOT  # noqa: E402
+from support import compile_ahead, compiled_engines, compiled_model, plain_ways  # noqa: E402
 
 
 @pytest.fixture
@@ -50,6 +52,12 @@ def one_plain_compile_way():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compile_ways, "COMPILE_WAYS", plain_ways(compile_ways.COMPILE_WAYS))
         yield
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """holmes.pt and tokenizer.json as the engines load them (load_pair), once a test file."""
+    return load_pair(os.path.join(ROOT, "holmes.pt"), os.path.join(ROOT, "tokenizer.json"))
 
 
 def uses(item, fixture):

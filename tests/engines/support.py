@@ -15,6 +15,15 @@ from helpers import SMALL, small
 from model import Config
 
 
+def save_checkpoint(model, path, step=0):
+    """A checkpoint as Part 3 writes it: torch.save of {"model", "config", "step"}, the config Part 3's six fields
+    (n_kv_heads too where it is not n_heads), so Part 3's own loader reads it."""
+    cfg = model.cfg
+    config = {name: getattr(cfg, name) for name in ("vocab_size", "d_model", "n_heads", "n_layers", "context", "dropout")}
+    config |= {"n_kv_heads": cfg.n_kv_heads} if cfg.n_kv_heads != cfg.n_heads else {}
+    torch.save({"model": model.state_dict(), "config": config, "step": step}, path)
+
+
 def command(main):
     """An entry point of engines/ as its command line runs it: main through run_cli (one line for a refusal)."""
     return lambda: run_cli(main)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from engines.bench import __main__ as bench
-from engines.edge.checkpoint import load_cached as load
 from helpers import positive_numbers, read_by, run_main
 from support import COMPILED_ROWS, command
 from engines.bench import peers as bench_peers
@@ -128,10 +127,10 @@ def test_every_decode_table_row_has_its_bytes_and_bandwidth_share(capsys):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_drift_from_float32_on_the_trained_weights_is_reported_and_bounded(dtype):
+def test_drift_from_float32_on_the_trained_weights_is_reported_and_bounded(dtype, shipped):
     """bf16 copies every weight, int8 keeps each weight within half a step of its row's 255; on the shipped
     weights neither moves a score by a whole logit, and greedy keeps float32's first tokens."""
-    model = load("holmes.pt")
+    model = shipped
     drift = bench_speed.dtype_drift(model, dtype, bench_speed.drift_prompt(model), 64)
     assert 0 < drift["max_logit_difference"] < 1
     assert drift["first_difference"] is None or drift["first_difference"] >= 4
@@ -140,7 +139,7 @@ def test_drift_from_float32_on_the_trained_weights_is_reported_and_bounded(dtype
 def test_the_bytes_a_step_reads_are_every_weight_once_and_the_cache_it_attends_to():
     from cached import CachedGPT
     from model import Config
-    from engines.edge import figures
+    from engines.bench import figures
     d, vocab, layers, kv_width = 64, 128, 2, 32  # two kv heads of four: grouped-query, a half-width cache
     model = CachedGPT(Config(vocab_size=vocab, d_model=d, n_heads=4, n_kv_heads=2, n_layers=layers, context=32)).eval()
     # the embedding, tied to the head; per block two norms (weight and bias), qkv and out (no bias), the MLP's two
@@ -167,5 +166,5 @@ def test_the_bytes_a_step_reads_are_every_weight_once_and_the_cache_it_attends_t
 
 
 def test_the_bandwidth_measure_is_a_positive_finite_rate():
-    from engines.edge import figures
+    from engines.bench import figures
     assert 0 < figures.read_bandwidth(torch.device("cpu")) < math.inf

@@ -19,8 +19,7 @@ import urllib.request
 import pytest
 import uvicorn
 
-from helpers import ROOT, free_port
-from engines.edge.checkpoint import load_pair
+from helpers import free_port
 from engines.serving.engine import ServingEngine
 from servers import HANG_GUARD, Running, wait_for
 
@@ -97,9 +96,9 @@ class WebDriver:
 
 
 @pytest.fixture(scope="module")
-def page_server():
+def page_server(pair):
     """The real server in a thread on a free localhost port: its URL, and a function asking it directly."""
-    model, tokenizer = load_pair(os.path.join(ROOT, "holmes.pt"), os.path.join(ROOT, "tokenizer.json"))
+    model, tokenizer = pair
     running = Running(ServingEngine(model, tokenizer, max_rows=4), tokenizer, model.cfg.context, 4, 4)
 
     def ask(body):

@@ -12,11 +12,12 @@ from engines.edge import cli
 import sample_grid
 from cached import CachedGPT
 from bpe import BPE
-from engines.edge.checkpoint import load_cached, load_checkpoint, load_pair, parameter_count, save_checkpoint
+from engines.edge.checkpoint import load_cached, load_checkpoint, load_pair, parameter_count
 from engines.edge.cli import check_fits, device_from
+from engines.edge.errors import BadInput
 from engines.fast import engine as fast_engine
 from helpers import PART3_CONFIG, assert_refused, one_line_exit, part3_state_dict, run_main, small
-from support import command
+from support import command, save_checkpoint
 from model import GPT, Config
 
 
@@ -245,7 +246,7 @@ def test_files_that_are_not_checkpoints_get_a_one_line_error(tmp_path, content):
 
 
 def test_missing_checkpoint_and_unknown_config_field(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.pt not found"):
+    with pytest.raises(BadInput, match="nope.pt not found"):
         load_checkpoint(tmp_path / "nope.pt")
     torch.save({"model": {}, "config": {"d_model": 8, "flash": True}, "step": 0}, tmp_path / "odd.pt")
     with pytest.raises(ValueError, match="unknown config field 'flash'"):

@@ -16,7 +16,7 @@ from bpe import BPE
 from engines.edge import checkpoint, cli, files
 from engines.edge.checks import check_knobs
 from engines.edge.cli import run_cli, show_progress
-from engines.edge.errors import BadPath, BadValue
+from engines.edge.errors import BadInput, BadValue
 from engines.edge.files import atomic_write, check_input, check_output
 from helpers import ROOT, assert_refused, exit_status, run_main, run_script
 from support import command
@@ -147,7 +147,7 @@ def test_every_message_naming_an_input_path_quotes_a_newline_in_it(tmp_path, rea
         odd.mkdir()
     elif content is not None:
         odd.write_bytes(content)
-    with pytest.raises((ValueError, OSError)) as refused:
+    with pytest.raises((ValueError, BadInput)) as refused:
         read(odd)
     assert repr(str(odd)) in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
@@ -162,7 +162,7 @@ def test_an_unwritable_folder_is_found_by_trying_not_by_asking(tmp_path, monkeyp
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Read-only file system")
     monkeypatch.setattr(files.tempfile, "mkstemp", refuse)
-    with pytest.raises(OSError, match="is not writable .Read-only file system."):
+    with pytest.raises(BadInput, match="is not writable .Read-only file system."):
         check_output(tmp_path / "x.pt")
 
 
@@ -175,7 +175,7 @@ def test_an_unwritable_folder_is_found_by_trying_not_by_asking(tmp_path, monkeyp
     (lambda d: "", "give a file path"),
 ])
 def test_inputs_are_bounded_regular_files(tmp_path, make, message):
-    with pytest.raises((ValueError, OSError), match=message):
+    with pytest.raises(BadInput, match=message):
         check_input(make(tmp_path), "input", max_bytes=1024)
 
 
@@ -229,7 +229,7 @@ def test_a_closed_or_failing_stdout_ends_quietly_or_in_one_line(monkeypatch, cod
 def test_an_oserror_of_main_itself_is_not_said_as_stdouts(monkeypatch):
     def main():
         print("a result")
-        raise BadPath("cannot write out.pt: No space left on device; nothing was written there")
+        raise BadInput("cannot write out.pt: No space left on device; nothing was written there")
     monkeypatch.setattr(sys, "argv", ["prog.py"])
     with pytest.raises(SystemExit) as exit:
         run_cli(main)

@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from helpers import ODD_TEXTS, PART3_CONFIG, one_line_exit, part3_state_dict, run_main
-from support import command
+from support import command, save_checkpoint
 
 from engines.export import export
 from bpe import BPE
@@ -24,7 +24,6 @@ from cached import CachedGPT
 from engines.edge.checkpoint import load_cached as load
 from engines.export.hf_folder import load_folder, rope_layout, write_folder
 from engines.edge.cli import run_cli
-from engines.edge.checkpoint import save_checkpoint
 from model import Config
 
 def small_bpe(vocab_size):
@@ -39,9 +38,9 @@ def exported(tmp_path_factory, model, bpe, name):
 
 
 @pytest.fixture(scope="module")
-def shipped(tmp_path_factory):
-    model, bpe = load("holmes.pt"), BPE.load("tokenizer.json")
-    return model, bpe, *exported(tmp_path_factory, model, bpe, "holmes-hf")
+def exported_holmes(tmp_path_factory, shipped):
+    bpe = BPE.load("tokenizer.json")
+    return shipped, bpe, *exported(tmp_path_factory, shipped, bpe, "holmes-hf")
 
 
 @pytest.fixture(scope="module", params=["part3", "gqa"])
@@ -64,8 +63,8 @@ def logits_difference(model, hf):
         return (hf(idx).logits - model(idx)[0]).abs().max().item()
 
 
-def test_the_shipped_checkpoints_logits_agree_within_1e_4(shipped):
-    model, _, hf, _ = shipped
+def test_the_shipped_checkpoints_logits_agree_within_1e_4(exported_holmes):
+    model, _, hf, _ = exported_holmes
     assert logits_difference(model, hf) < 1e-4
 
 
@@ -74,8 +73,8 @@ def test_part3_and_gqa_checkpoints_logits_agree_within_1e_4(small):
     assert logits_difference(model, hf) < 1e-4
 
 
-def test_transformers_greedy_generate_is_cached_pys_for_100_tokens(shipped):
-    model, bpe, hf, _ = shipped
+def test_transformers_greedy_generate_is_cached_pys_for_100_tokens(exported_holmes):
+    model, bpe, hf, _ = exported_holmes
     prompt = torch.tensor([bpe.encode("It was a dark night, and Holmes")])
     with torch.no_grad():
         theirs = hf.generate(prompt, max_new_tokens=100, min_new_tokens=100, do_sample=False, pad_token_id=0)
@@ -83,8 +82,8 @@ def test_transformers_greedy_generate_is_cached_pys_for_100_tokens(shipped):
 
 
 @pytest.mark.parametrize("text", ODD_TEXTS)
-def test_the_fast_tokenizer_gives_bpe_pys_ids_and_decodes_back(shipped, text):
-    _, bpe, _, tokenizer = shipped
+def test_the_fast_tokenizer_gives_bpe_pys_ids_and_decodes_back(exported_holmes, text):
+    _, bpe, _, tokenizer = exported_holmes
     ids = tokenizer(text)["input_ids"]
     assert ids == bpe.encode(text)
     assert tokenizer.decode(ids) == text
@@ -146,8 +145,8 @@ def test_break_layout_really_moves_the_logits_and_keeps_nothing(tmp_path, run_ex
     assert not (tmp_path / "out").exists()
 
 
-def test_config_json_carries_what_transformers_4_reads(shipped, tmp_path):
-    model, bpe, _, _ = shipped
+def test_config_json_carries_what_transformers_4_reads(exported_holmes, tmp_path):
+    model, bpe, _, _ = exported_holmes
     write_folder(model, bpe, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     # without rotary_pct transformers 4 rotates a quarter of each head; it does not know TokenizersBackend
@@ -369,9 +368,8 @@ def test_a_missing_checkpoint_is_the_one_line_error_of_the_other_scripts(tmp_pat
         f"export.py: error: checkpoint {tmp_path / 'nope.pt'} not found; pass a Part 3 .pt file or train one"
 
 
-def test_check_reads_as_transformers_does_and_fails_a_quarter_rotary(tmp_path, monkeypatch,
-                                                                                               capsys):
-    write_folder(load("holmes.pt"), BPE.load("tokenizer.json"), tmp_path / "hf")
+def test_check_reads_as_transformers_does_and_fails_a_quarter_rotary(tmp_path, monkeypatch, capsys, shipped):
+    write_folder(shipped, BPE.load("tokenizer.json"), tmp_path / "hf")
     monkeypatch.setattr(sys, "argv", ["export.py", "--check", str(tmp_path / "hf")])
     run_cli(export.main)
     assert "100 tokens: the same tokens as cached.py" in capsys.readouterr().out
@@ -386,9 +384,9 @@ def test_check_reads_as_transformers_does_and_fails_a_quarter_rotary(tmp_path, m
 
 
 @pytest.fixture(scope="module")
-def holmes_folder(tmp_path_factory):
+def holmes_folder(tmp_path_factory, shipped):
     path = tmp_path_factory.mktemp("check") / "hf"
-    write_folder(load("holmes.pt"), BPE.load("tokenizer.json"), path)
+    write_folder(shipped, BPE.load("tokenizer.json"), path)
     return path
 
 

@@ -22,13 +22,12 @@ from engines.export import peers
 from bpe import BPE
 from engines.edge.cli import run_cli
 from cached import first_difference
-from engines.edge.checkpoint import load_cached as load
 from engines.export.export import PROMPT, cached_tokens, neox_state_dict, spelled_vocabulary
 
 
 @pytest.fixture(scope="module")
-def holmes():
-    model, bpe = load("holmes.pt"), BPE.load("tokenizer.json")
+def holmes(shipped):
+    model, bpe = shipped, BPE.load("tokenizer.json")
     return model, bpe, cached_tokens(model, bpe.encode(PROMPT), 100)
 
 

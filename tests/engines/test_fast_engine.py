@@ -7,7 +7,6 @@ import torch
 
 from bpe import BPE
 from cached import CachedGPT
-from engines.edge.checkpoint import load_cached as load
 from support import command, ring_gives_a_trim_first_caches_logits_for_600_steps
 from helpers import (PROMPT, SMALL, assert_refused, keys_attended, prompts,
                      run_main, small)
@@ -86,8 +85,8 @@ def test_a_graph_safe_step_past_the_window_attends_exactly_context_keys(monkeypa
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_a_lower_precision_grid_gives_eight_rows_and_float32s_greedy_start(dtype):
-    model, tokens = load("holmes.pt"), BPE.load("tokenizer.json").encode("Holmes")
+def test_a_lower_precision_grid_gives_eight_rows_and_float32s_greedy_start(dtype, shipped):
+    model, tokens = shipped, BPE.load("tokenizer.json").encode("Holmes")
     rows = grid(FastEngine(model, dtype=dtype), tokens, 10, seed=1)
     assert list(rows) == list(SETTINGS) and all(len(r) == 10 for r in rows.values())
     assert rows["greedy"][:3] == grid(Engine(model), tokens, 3, seed=1)["greedy"]

@@ -15,18 +15,12 @@ import pytest
 from helpers import ROOT, assert_refused, run_main
 from support import command
 
-from engines.edge.checkpoint import load_pair
 from engines.serving.http_policy import MAX_BODY_BYTES, allowed_hosts
 from engines.serving.openai_request import ROLE_LINES, ROLES, Refused, chat_prompt
 from servers import Running, Watched
 
 KEY = "sk-test-key"
 ASK = {"prompt": "The night was", "max_tokens": 2, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return load_pair(os.path.join(ROOT, "holmes.pt"), os.path.join(ROOT, "tokenizer.json"))
 
 
 def running(pair, api_key=None):

@@ -14,7 +14,6 @@ import concurrent.futures
 import http.client
 import json
 import logging
-import os
 import re
 import signal
 import socket
@@ -28,17 +27,11 @@ import torch
 from helpers import ROOT, assert_refused, run_main
 from support import command
 
-from engines.edge.checkpoint import load_pair
 from engines.serving.engine import StepClock
 from servers import HANG_GUARD, Running, Watched, wait_for
 
 SYSTEM = ("You are Sherlock Holmes, the consulting detective of Baker Street. Answer as he would, "
           "briefly, and name what you observe.")
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return load_pair(os.path.join(ROOT, "holmes.pt"), os.path.join(ROOT, "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,6 @@ def random_model():
     return CachedGPT(SMALL).eval()
 
 
-@pytest.fixture(scope="module")
-def shipped():
-    return load("holmes.pt")
-
-
 def reference_rope(x, positions):
     """RoPE from reference.md, written out pair by pair: out[2j] = x[2j] cos - x[2j+1] sin, ..."""
     hd = x.shape[-1]

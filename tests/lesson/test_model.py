@@ -114,9 +114,8 @@ def test_generate_reruns_the_last_context_tokens_for_every_new_token():
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
-def test_shipped_checkpoint_loads():
-    model = load("holmes.pt")
-    assert sum(p.numel() for p in model.parameters()) == 5_781_504
+def test_shipped_checkpoint_loads(shipped):
+    assert sum(p.numel() for p in shipped.parameters()) == 5_781_504
 
 
 @dataclass

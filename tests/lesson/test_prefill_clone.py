@@ -112,9 +112,8 @@ def test_gqa_cached_equals_uncached_and_the_cache_shrinks():
 
 
 @pytest.fixture(scope="module")
-def shipped_pair():
-    model = cached.load("holmes.pt")
-    return model, cached.tokenize("tokenizer.json", "x", model)[0]
+def shipped_pair(shipped):
+    return shipped, cached.tokenize("tokenizer.json", "x", shipped)[0]
 
 
 @pytest.mark.parametrize("start, end", [(5, 8), (3, 30), (20, 60)])

@@ -8,7 +8,6 @@ import torch
 import sample_grid
 from bpe import BPE
 from helpers import run_main
-from cached import load
 from prefill_clone import Engine
 from sample_grid import SETTINGS, grid
 
@@ -21,8 +20,8 @@ def test_two_runs_print_the_same_text_under_every_setting(monkeypatch, capsys):
     assert [line[4:] for line in stdout.splitlines() if line.startswith("=== ")] == list(SETTINGS)
 
 
-def test_each_row_of_the_grid_equals_that_setting_run_alone():
-    model = load("holmes.pt")
+def test_each_row_of_the_grid_equals_that_setting_run_alone(shipped):
+    model = shipped
     tokens = BPE.load("tokenizer.json").encode("Holmes")
     rows = grid(Engine(model), tokens, 20, seed=1)
     for name, knobs in SETTINGS.items():
@@ -30,8 +29,8 @@ def test_each_row_of_the_grid_equals_that_setting_run_alone():
         assert rows[name] == alone[0], name
 
 
-def test_settings_really_differ_and_greedy_is_cached_py_greedy():
-    model, tokens = load("holmes.pt"), BPE.load("tokenizer.json").encode("Holmes")
+def test_settings_really_differ_and_greedy_is_cached_py_greedy(shipped):
+    model, tokens = shipped, BPE.load("tokenizer.json").encode("Holmes")
     rows = grid(Engine(model), tokens, 40, seed=1)
     assert len({tuple(r) for r in rows.values()}) == len(SETTINGS)
     assert rows["greedy"] == model.generate_cached(torch.tensor([tokens]), 40)[0, len(tokens):].tolist()

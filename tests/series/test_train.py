@@ -84,10 +84,10 @@ def test_a_finished_run_removes_its_resume_file_and_a_cut_one_keeps_it(finished,
 def test_after_a_finished_run_each_refusal_names_a_way_on_that_works(tmp_path, finished, monkeypatch, capsys):
     copy_run(finished, tmp_path, ["corpus.txt", "data", "run.pt", "run.csv"])
     again = train(tmp_path, *TINY, monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(again, "train.py: error: 'run.pt' already exists; pass --force to replace it, "
+    assert_refused(again, "python -m series.train: error: 'run.pt' already exists; pass --force to replace it, "
                           "or --out NAME for a new run\n")
     resumed = train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(resumed, "train.py: error: --resume: there is no cut-short run to go on from ('run.resume.pt' not "
+    assert_refused(resumed, "python -m series.train: error: --resume: there is no cut-short run to go on from ('run.resume.pt' not "
                             "found; a run that finishes removes it); to train again, pass --force instead of "
                             "--resume to replace run.pt, or --out NAME\n")
     assert train(tmp_path, *TINY, "--out", "second", monkeypatch=monkeypatch, capsys=capsys)[0] == 0
@@ -169,7 +169,7 @@ def test_a_resume_of_another_run_is_refused_naming_the_first_difference(
         prepare(tmp_path)
     victims = {name: sha256(tmp_path / name) for name in os.listdir(tmp_path) if name.endswith((".pt", ".csv"))}
     assert_refused(train(tmp_path, *TINY, "--resume", *change, monkeypatch=monkeypatch, capsys=capsys),
-                   f"train.py: error: --resume: {message}")
+                   f"python -m series.train: error: --resume: {message}")
     assert {name: sha256(tmp_path / name) for name in victims} == victims
 
 
@@ -283,7 +283,7 @@ def test_force_replaces_only_the_files_a_run_wrote(tmp_path, killed_after_last_s
     before = {name: sha256(tmp_path / name) for name in RUN_FILES}
     forbid_tokenizing(monkeypatch)
     run = train(tmp_path, *TINY, "--force", monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(run, f"train.py: error: '{victim}' is not a file this command wrote; move it or choose another --out")
+    assert_refused(run, f"python -m series.train: error: '{victim}' is not a file this command wrote; move it or choose another --out")
     assert {name: sha256(tmp_path / name) for name in RUN_FILES} == before
 
 
@@ -346,7 +346,7 @@ def test_sigterm_mid_run_leaves_no_temporary_file_and_one_line(tmp_path, killed_
     before = {name: sha256(tmp_path / name) for name in RUN_FILES}
     interrupt(monkeypatch, where)
     status, _, err = train(tmp_path, *TINY, "--force", monkeypatch=monkeypatch, capsys=capsys)
-    assert status == 1 and err.strip() == "train.py: interrupted; nothing half-written was left behind", err
+    assert status == 1 and err.strip() == "python -m series.train: interrupted; nothing half-written was left behind", err
     assert not leftovers(tmp_path)
     if victim:
         assert sha256(tmp_path / victim) == before[victim]
@@ -382,7 +382,7 @@ def test_a_corpus_or_tokenizer_that_is_not_a_bounded_regular_file_is_refused(
            if flag == "--corpus" else "is not valid JSON"}.get(kind, "is not a file")  # a pipe or a device too
     run = train(tmp_path, *TINY, flag, path, monkeypatch=monkeypatch, capsys=capsys)
     assert_refused(run, f"{path!r} {why}")
-    assert run[2].startswith("train.py: error: ") and not any((tmp_path / name).exists() for name in RUN_FILES)
+    assert run[2].startswith("python -m series.train: error: ") and not any((tmp_path / name).exists() for name in RUN_FILES)
 
 
 @pytest.mark.parametrize("corpus, message", [
@@ -408,14 +408,14 @@ def test_an_empty_or_tiny_corpus_is_refused_before_anything_is_printed_or_cached
 ])
 def test_bad_arguments_are_refused_by_argparse(tmp_path, args, message, monkeypatch, capsys, shipped_unchanged):
     status, _, err = train(tmp_path, *args, monkeypatch=monkeypatch, capsys=capsys)
-    assert status == 2 and err.startswith("usage: train.py ") and f"train.py: error: {message}" in err, err
+    assert status == 2 and err.startswith("usage: python -m series.train ") and f"python -m series.train: error: {message}" in err, err
     assert os.listdir(tmp_path) == ["corpus.txt"]
 
 
 def test_missing_corpus_gets_a_one_line_error(tmp_path, monkeypatch, capsys):
     status, _, err = train(tmp_path, "--corpus", "missing.txt", monkeypatch=monkeypatch, capsys=capsys)
     assert status == 1
-    assert err == "train.py: error: corpus 'missing.txt' is not a file; pass --corpus PATH to a UTF-8 text file\n"
+    assert err == "python -m series.train: error: corpus 'missing.txt' is not a file; pass --corpus PATH to a UTF-8 text file\n"
 
 
 @pytest.mark.parametrize("resume", [None, b"not a resume file", "wrong keys", "no identity", "no csv"])
@@ -449,7 +449,7 @@ def test_a_resume_file_value_of_the_wrong_kind_is_refused_naming_the_file(
     state = torch.load(tmp_path / "run.resume.pt", weights_only=True)
     torch.save({**state, key: value}, tmp_path / "run.resume.pt")
     assert_refused(train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys),
-                   f"train.py: error: --resume: 'run.resume.pt' holds {key!r} = ")
+                   f"python -m series.train: error: --resume: 'run.resume.pt' holds {key!r} = ")
 
 
 def damage_cache(path, how):
@@ -473,7 +473,7 @@ def test_a_damaged_id_cache_is_refused_naming_the_file(tmp_path, finished, how, 
     (cache,) = (tmp_path / "data").iterdir()
     damage_cache(cache, how)
     assert_refused(train(tmp_path, *TINY, monkeypatch=monkeypatch, capsys=capsys),
-                   f"train.py: error: the token id cache data/{cache.name} ")
+                   f"python -m series.train: error: the token id cache data/{cache.name} ")
 
 
 @pytest.mark.parametrize("vocab", [300, 5000], ids=["smaller", "larger"])
@@ -512,7 +512,7 @@ def test_a_damaged_or_repacked_resume_file_is_refused_before_it_is_loaded(
     victims = {name: sha256(tmp_path / name) for name in RUN_FILES}
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: pytest.fail("torch.load read a damaged file"))
     run = train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys)
-    assert_refused(run, "train.py: error: --resume: 'run.resume.pt'")
+    assert_refused(run, "python -m series.train: error: --resume: 'run.resume.pt'")
     assert message in run[2] and "start again without --resume" in run[2]
     assert {name: sha256(tmp_path / name) for name in RUN_FILES} == victims
 
@@ -526,7 +526,7 @@ def test_optimizer_moments_of_another_shape_are_refused_before_any_step(
     torch.save(state, tmp_path / "run.resume.pt")
     victims = {name: sha256(tmp_path / name) for name in RUN_FILES if (tmp_path / name).exists()}
     assert_refused(train(tmp_path, *TINY, "--resume", monkeypatch=monkeypatch, capsys=capsys),
-                   "train.py: error: --resume: 'run.resume.pt' does not fit this run (its optimizer's moments")
+                   "python -m series.train: error: --resume: 'run.resume.pt' does not fit this run (its optimizer's moments")
     assert {name: sha256(tmp_path / name) for name in victims} == victims
 
 

@@ -1,7 +1,7 @@
 """What a benchmark's figure is set against: the machine, its memory bandwidth, the bytes a step reads.
 
-bench.py's tables and engines/' speed and peers tables share them, and the model they time
-when no checkpoint is given (untrained_model: speed does not depend on training).
+engines/bench's speed, peers and serving tables share them, and the model they time when no checkpoint
+is given (untrained_model: speed does not depend on training).
 """
 import platform
 
@@ -10,7 +10,8 @@ import torch
 from cached import CachedGPT
 from engines.edge.checks import cache_bytes
 from engines.edge.cli import free_memory
-from engines.edge.timing import median, timings
+from bench import median
+from engines.edge.timing import timings
 
 PROMPT = 8  # the post's prompt length, in tokens
 READ_BYTES = 2**30  # the tensor read_bandwidth sums: far past any last-level cache

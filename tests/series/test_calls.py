@@ -18,11 +18,6 @@ from sampling import pick
 
 
 @pytest.fixture(scope="module")
-def shipped():
-    return load("holmes.pt")
-
-
-@pytest.fixture(scope="module")
 def small_model():
     torch.manual_seed(0)
     return CachedGPT(SMALL).eval()

@@ -35,8 +35,8 @@ import sys
 import threading
 import time
 
-from engines.edge.cli import (Parser, check_count, check_fits, check_least, check_within, device_from, run_cli,
-                              script_name)
+from engines.edge.cli import (Parser, check_count, check_fits, check_least, check_within, device_from, is_loopback,
+                              run_cli, script_name)
 from engines.edge.errors import BadValue, CompileFailed
 from engines.edge.files import check_input
 
@@ -44,7 +44,6 @@ from engines.edge.checkpoint import load_pair
 from engines.edge.checks import cache_bytes
 from engines.export import peers
 from engines.serving.engine import SERVED_DTYPES
-from engines.serving.http_policy import is_loopback
 
 BLOCK_SIZE = 16  # tokens a cache block holds: small blocks suit a 256-token window
 KEY_VARIABLE = "TINY_GPT_API_KEY"  # the key where no other user can read it, unlike a flag (ps, /proc/PID/cmdline)

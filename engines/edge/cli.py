@@ -1,6 +1,7 @@
 """What every script shares at its command line: one-line errors (run_cli), checked arguments, a progress line."""
 import argparse
 import errno
+import ipaddress
 import operator
 import os
 import signal
@@ -121,6 +122,14 @@ def as_id(token, what, limit, within="the vocabulary"):
     if not 0 <= token < limit:
         raise BadValue(f"{what} {token!r} is outside {within} 0..{limit - 1}")
     return token
+
+
+def is_loopback(host):
+    """Whether --host listens on this machine alone."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def device_from(name):

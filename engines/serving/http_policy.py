@@ -19,20 +19,13 @@ send it requests. The rules, each answered with OpenAI's error JSON before any r
 """
 import base64
 import hashlib
-import ipaddress
 import re
 import secrets
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
 
-
-def is_loopback(host):
-    """Whether --host listens on this machine alone."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
+from engines.edge.cli import is_loopback
 
 
 MAX_BODY_BYTES = 2**20

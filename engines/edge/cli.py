@@ -97,30 +97,30 @@ def thread_count(text):
 def check_count(name, n, least=0):
     """n, a whole number (not a bool) >= least."""
     if isinstance(n, bool) or not isinstance(n, int) or n < least:
-        raise BadValue(f"{name} must be a whole number >= {least}, got {n!r}")
+        raise BadValue(f"{name} must be a whole number >= {least}, got {n!r}", name)
     return n
 
 
 def check_least(name, value, least):
     if not value >= least:  # a NaN too
-        raise BadValue(f"{name} must be at least {least}, got {value}")
+        raise BadValue(f"{name} must be at least {least}, got {value}", name)
 
 
 def check_within(name, value, least, most):
     if not least <= value <= most:  # a NaN too
-        raise BadValue(f"{name} must be in {least}..{most}, got {value}")
+        raise BadValue(f"{name} must be in {least}..{most}, got {value}", name)
 
 
-def as_id(token, what, limit, within="the vocabulary"):
-    """An integer-like (int, numpy or 0-d tensor integer; not a bool) in 0..limit-1, as an int."""
+def as_id(token, what, limit, within="the vocabulary", field=None):
+    """An integer-like (int, numpy or 0-d tensor integer; not a bool) in 0..limit-1, as an int; field: its BadValue's."""
     try:
         if isinstance(token, bool) or (isinstance(token, torch.Tensor) and token.dtype == torch.bool):
             raise TypeError
         token = operator.index(token)
     except TypeError:
-        raise BadValue(f"{what} {token!r} is not an integer id") from None
+        raise BadValue(f"{what} {token!r} is not an integer id", field) from None
     if not 0 <= token < limit:
-        raise BadValue(f"{what} {token!r} is outside {within} 0..{limit - 1}")
+        raise BadValue(f"{what} {token!r} is outside {within} 0..{limit - 1}", field)
     return token
 
 

@@ -14,7 +14,12 @@ class BadInput(Exception):
 
 
 class BadValue(BadInput, ValueError):
-    """An argument, a knob or a value read from a file that is not what it must be."""
+    """An argument, a knob or a value read from a file that is not what it must be; field: the argument's name
+    where the check knows it as data (a served request's 400 names it: engines/serving/openai_request.refusal)."""
+
+    def __init__(self, message, field=None):
+        super().__init__(message)
+        self.field = field
 
 
 class Appeared(BadInput, FileExistsError):

@@ -28,15 +28,16 @@ def check_knobs(temperature=1.0, top_k=0, top_p=1.0, penalty=1.0):
     for name, value in (("temperature", temperature), ("top_p", top_p), ("penalty", penalty)):
         # an int past float's range (10**400) is no float32 scale either, and math.isfinite would raise on it
         if type(value) not in (int, float) or abs(value) > sys.float_info.max or not math.isfinite(value):
-            raise BadValue(f"{name} must be a finite number, got {repr(value)[:40]}")
+            raise BadValue(f"{name} must be a finite number, got {repr(value)[:40]}", name)
     if not (temperature == 0 or temperature >= MIN_TEMPERATURE):
-        raise BadValue(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}")
+        raise BadValue(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}", "temperature")
     if type(top_k) is not int or top_k < 0:
-        raise BadValue(f"top_k must be a whole number >= 0 (0 means off), got {top_k!r}")
+        raise BadValue(f"top_k must be a whole number >= 0 (0 means off), got {top_k!r}", "top_k")
     if not 0 < top_p <= 1:
-        raise BadValue(f"top_p must be in (0, 1] (1 means off), got {top_p}")
+        raise BadValue(f"top_p must be in (0, 1] (1 means off), got {top_p}", "top_p")
     if not PENALTY_RANGE[0] <= penalty <= PENALTY_RANGE[1]:
-        raise BadValue(f"penalty must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}] (1 means off), got {penalty}")
+        raise BadValue(f"penalty must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}] (1 means off), got {penalty}",
+                       "penalty")
 
 
 def prompt_ids(tokenizer, text, model):
@@ -81,8 +82,8 @@ def check_seeds(seed, n, name="seed"):
     if isinstance(seed, (list, tuple)):
         if len(seed) != n:
             raise BadValue(f"{name} is a list of {len(seed)}, but num_samples is {n}")
-        return [as_id(s, name, 2**64, "the seeds") for s in seed]
-    first = as_id(seed, name, 2**64 - n + 1, "the seeds")
+        return [as_id(s, name, 2**64, "the seeds", name) for s in seed]
+    first = as_id(seed, name, 2**64 - n + 1, "the seeds", name)
     return range(first, first + n)
 
 
@@ -99,8 +100,9 @@ class Request(NamedTuple):
     forced: list  # one list of ids a row
 
 
-def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, knobs):
-    """Engine.generate's arguments as a Request, or a one-line error naming the first that is wrong."""
+def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, knobs, served=False):
+    """Engine.generate's arguments as a Request, or a one-line error naming the first that is wrong. served: a
+    request of the serving engine, its prompt and max_tokens inside the model's window (the one rule, said here)."""
     model = engine.model
     if not callable(getattr(model, "step", None)):  # a plain GPT has no cached step: it would fail at the first token
         raise BadValue(f"the Engine needs a CachedGPT (cached.load gives one), got a {type(model).__name__}")
@@ -108,16 +110,20 @@ def check_request(engine, tokens, num_samples, max_tokens, seed, stop, forced, k
     if any(m.training for m in model.modules()):  # one block left in training mode is enough for dropout
         raise BadValue("the model is in training mode, where dropout changes every token; call model.eval() first")
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
-        raise BadValue("the prompt must be a non-empty list of token ids")
-    tokens = [as_id(t, "prompt token", vocab) for t in tokens]
-    if len(tokens) > model.cfg.context:
-        raise BadValue(f"a prompt of {len(tokens)} tokens is longer than the cache (context "
-                       f"{model.cfg.context}); trim it")
+        raise BadValue("the prompt must be a non-empty list of token ids", "prompt")
+    context, n = model.cfg.context, len(tokens)
+    if n > context - served:  # a served prompt leaves room for a token; checked before its ids, so a long one is cheap
+        raise BadValue(f"the prompt is {n} tokens; at most {context - served} fit the model's {context}-token window",
+                       "prompt")
+    tokens = [as_id(t, "prompt token", vocab, field="prompt") for t in tokens]
     num_samples = as_id(num_samples, "num_samples", 2**63, "the counts")
     if num_samples < 1:
         raise BadValue(f"num_samples must be a whole number >= 1, got {num_samples}")
     if max_tokens is None:
         raise BadValue("give max_tokens: without a bound, a row that never meets a stop would generate forever")
+    if served and (type(max_tokens) is not int or not 1 <= max_tokens <= context - n):
+        raise BadValue(f"max_tokens must be in 1..{context - n}, got {max_tokens}: this prompt's {n} tokens leave "
+                       f"{context - n} of the model's {context}-token window", "max_tokens")
     check_count("max_tokens", max_tokens)
     cache_len = getattr(engine, "cache_len", None)  # the lesson's dicts hold the prompt and its tokens, up to the window
     check_cache(model, num_samples, cache_len(len(tokens), max_tokens) if cache_len else

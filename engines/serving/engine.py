@@ -11,8 +11,8 @@ them in Events and ends the requests that are done.
 Exact: each request's tokens are those of prefill_clone.Engine for that request alone, whatever else
 runs: its own generator seeded with its seed (the Engine's row 0), its knobs, picked by the Engine's own
 pick (sampling.pick) from the same history, ended by the Engine's own stop rule. The window: a request
-is refused unless its prompt and max_tokens fit the model's context, inside which every path computes
-the same thing (docs/serving_engine.md says why, and what the tests prove).
+is refused unless its prompt and max_tokens fit the model's context (checks.check_request, served=True), inside
+which every path computes the same thing (docs/serving_engine.md says why, and what the tests prove).
 
 Single-threaded by design: submit, cancel and step must be called from one thread (a server runs step()
 in a loop of its own and passes each Event to its client).
@@ -116,15 +116,7 @@ class ServingEngine:
         knobs = dict(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                      penalty=request.penalty)
         tokens, seeds, settings, stop_ids, stop_texts, _ = check_request(
-            self.lesson, request.prompt, 1, request.max_tokens, request.seed, request.stop, None, knobs)
-        check_count("max_tokens", request.max_tokens, 1)
-        context = self.model.cfg.context
-        if len(tokens) + request.max_tokens > context:
-            room = context - len(tokens)
-            raise BadValue(f"a prompt of {len(tokens)} tokens plus max_tokens {request.max_tokens} is more than the "
-                           f"{context} positions this model attends to; " + (
-                               f"shorten the prompt or ask for at most {room} tokens" if room else
-                               f"shorten the prompt to at most {context - 1} tokens"))
+            self.lesson, request.prompt, 1, request.max_tokens, request.seed, request.stop, None, knobs, served=True)
         vocab = None if self.tokenizer is None else self.tokenizer.vocab
         sequence = Sequence(request, tokens, seeds[0], settings[0], stop_ids, stop_texts,
                             stop_rule(self.lesson.tokenizer, stop_ids, stop_texts), vocab, self.block_size, self.runner.device)

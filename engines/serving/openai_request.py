@@ -48,13 +48,11 @@ NOT_OFFERED = {"n": ((1,), "one choice a request; send n requests, each with its
                "response_format": (({"type": "text"},), "plain text only")}
 
 
-def refusal(error):
-    """A BadValue (the engine's, the tokenizer's) as a 400; the field its message begins with is the param."""
-    message = str(error)
-    name = message.split(" ", 1)[0]
-    if name == "penalty":  # the engine's name for this server's repetition_penalty
-        message, name = "repetition_" + message, "repetition_penalty"
-    return Refused(message, name if name in FIELDS else None)
+def refusal(error, chat):
+    """A BadValue (the engine's, the tokenizer's) as a 400 whose param is its field, by this API's name."""
+    if error.field == "penalty":  # the engine's name for this server's repetition_penalty
+        return Refused(f"repetition_{error}", "repetition_penalty")
+    return Refused(str(error), "messages" if chat and error.field == "prompt" else error.field)
 
 
 def shown(value):

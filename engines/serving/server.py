@@ -147,7 +147,7 @@ class EngineLoop:
             self.queues.pop(request.id, None)
             if isinstance(e, asyncio.CancelledError):  # gone before it was admitted
                 self.cancel(request.id)
-            raise refusal(e) if isinstance(e, BadValue) else e from None
+            raise
         return self.events(request.id, waiting)
 
     async def events(self, request_id, waiting):
@@ -203,10 +203,8 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
                 raise Refused(f"the prompt is {size} bytes; more than {most_bytes} can never fit the model's "
                               f"{context}-token window", "messages" if "messages" in fields else "prompt")
             return tokenizer.encode(prompt)
-        if isinstance(prompt, list) and len(prompt) >= context:
-            raise Refused(f"the prompt is {len(prompt)} token ids; at most {context - 1} fit the model's window", "prompt")
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            return prompt  # the engine checks each id against the vocabulary
+            return prompt  # the engine checks their count against the window, each against the vocabulary
         raise Refused("prompt must be a string or a list of token ids (one prompt a request)", "prompt")
 
     def parsed(data, chat):
@@ -228,16 +226,10 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
             return Response(status_code=499)
         fields, ids = await asyncio.to_thread(parsed, data, chat)
         stops = fields["stop"] + (ROLE_LINES if chat else [])
-        room = context - len(ids)  # what this prompt leaves of the window: the one rule for max_tokens
-        if room < 1:
-            raise Refused(f"the prompt is {len(ids)} tokens; at most {context - 1} fit the model's {context}-token "
-                          "window", "messages" if chat else "prompt")
+        room = context - len(ids)  # OpenAI's default max_tokens: what the prompt leaves of the window
         max_tokens = fields["max_tokens"]
         if max_tokens is None:
             max_tokens = room if chat else min(COMPLETION_DEFAULT_TOKENS, room)
-        if not 1 <= max_tokens <= room:
-            raise Refused(f"max_tokens must be in 1..{room}, got {max_tokens}: this prompt's {len(ids)} tokens leave "
-                          f"{room} of the model's {context}-token window", "max_tokens")
         job = EngineRequest(id=uuid.uuid4().hex, prompt=ids, max_tokens=max_tokens, stop=stops,
                             seed=secrets.randbits(63) if fields["seed"] is None else fields["seed"],  # OpenAI's: fresh
                             temperature=fields["temperature"], top_k=fields["top_k"], top_p=fields["top_p"],
@@ -310,7 +302,7 @@ def create_app(engine, tokenizer, model_id, context, rows, queue_limit, hosts, a
 
     async def refused(request, error):
         if isinstance(error, BadValue):  # the engine's or the tokenizer's refusal of a value
-            error = refusal(error)
+            error = refusal(error, chat=request.url.path == "/v1/chat/completions")
         elif isinstance(error, HTTPException):  # Starlette's: no such route, or not that method
             message = {404: f"no route {request.url.path}; the routes are GET /, /health and /v1/models, POST "
                             "/v1/completions and /v1/chat/completions",

@@ -17,7 +17,7 @@ def Engine(model, tokenizer=None):
     (dict(max_tokens=-1), "max_tokens must be a whole number >= 0"),
     (dict(max_tokens=10**12), r"1 rows x 1000000000005 tokens \(the tokens they keep\) needs "),
     (dict(tokens=[]), "prompt must be a non-empty list"),
-    (dict(tokens=list(range(33))), "33 tokens is longer than the cache"),
+    (dict(tokens=list(range(33))), "the prompt is 33 tokens; at most 32 fit the model's 32-token window"),
     (dict(num_samples=3, settings=[{}, {}]), "settings is a list of 2, but num_samples is 3"),
     (dict(num_samples=2, seed=[1]), "seed is a list of 1, but num_samples is 2"),
     (dict(stop=512), "stop token id 512 is outside the vocabulary 0..511"),

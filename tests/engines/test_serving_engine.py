@@ -386,8 +386,8 @@ def test_a_request_that_would_pass_the_window_is_refused_and_one_that_fills_it_r
     engine = ServingEngine(MODEL, TOK, block_size=4)
     with pytest.raises(BadValue) as refused:
         engine.submit(request("over", [1] * 20, CONTEXT - 20 + 1))
-    assert str(refused.value) == ("a prompt of 20 tokens plus max_tokens 13 is more than the 32 positions this "
-                                  "model attends to; shorten the prompt or ask for at most 12 tokens")
+    assert str(refused.value) == ("max_tokens must be in 1..12, got 13: this prompt's 20 tokens leave 12 of the "
+                                  "model's 32-token window") and refused.value.field == "max_tokens"
     fills = request("fills", [1] * 20, CONTEXT - 20, seed=3, temperature=1.0)
     assert tokens(serve(engine, [(0, fills)])["fills"]) == alone(fills)
 
@@ -395,7 +395,7 @@ def test_a_request_that_would_pass_the_window_is_refused_and_one_that_fills_it_r
 @pytest.mark.parametrize("change, message", [
     (dict(prompt=[]), "the prompt must be a non-empty list of token ids"),
     (dict(prompt=[1, VOCAB]), f"prompt token {VOCAB} is outside the vocabulary"),
-    (dict(max_tokens=0), "max_tokens must be a whole number >= 1, got 0"),
+    (dict(max_tokens=0), "max_tokens must be in 1..30, got 0: this prompt's 2 tokens leave 30"),
     (dict(max_tokens=None), "give max_tokens"),
     (dict(temperature=-1), "temperature must be 0 (greedy) or at least"),
     (dict(top_p=0), "top_p must be in (0, 1]"),
